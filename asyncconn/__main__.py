@@ -1,0 +1,5 @@
+import sys
+
+from asyncconn.cli import main
+
+sys.exit(main())

@@ -1,0 +1,215 @@
+"""The storage backend contract and the scheme registry that opens a backend from one URL.
+
+A backend is a handful of async batch methods over opaque byte values (httpx-transport style): everything
+above it -- framing, checksums, lookups, transfers -- is backend-agnostic. Backends translate their client
+library's exceptions into :class:`BackendError` subclasses at this boundary, and every call finishes or
+raises within the backend's ``timeout``.
+
+Schemes resolve lazily (fsspec style): the core never imports a backend module until a URL names it, and a
+missing optional dependency is answered with the extra to install. Third-party packages add schemes through
+the ``asyncconn.backends`` entry-point group; built-in schemes cannot be silently overridden.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import importlib.metadata
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from asyncconn.exceptions import BackendError, BackendNotInstalled, ConfigError, UnknownSchemeError
+from asyncconn.url import Param, StoreURL, parse_url, redact
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Buffer",
+    "StorageBackend",
+    "Value",
+    "available_schemes",
+    "open_backend",
+    "register_backend",
+    "resolve_backend",
+]
+
+ENTRY_POINT_GROUP = "asyncconn.backends"
+
+Buffer = bytes | bytearray | memoryview
+#: A value as it is written or read: one buffer, or its chunks in order (never joined by the library).
+Value = Buffer | Sequence[Buffer]
+
+
+def value_nbytes(value: Value) -> int:
+    """Total size of a value given as one buffer or a sequence of chunks."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return memoryview(value).nbytes
+    return sum(memoryview(c).nbytes for c in value)
+
+
+class StorageBackend(abc.ABC):
+    """The async contract every store implements. All methods are batched and run on the runtime loop.
+
+    - ``put`` writes each key atomically: a concurrent reader sees the old value, the new one or nothing,
+      never a mix (two producers racing on one key leave one whole value).
+    - ``get`` returns each value as a sequence of buffers (chunks in order) or ``None`` for a miss.
+    - ``exists`` and ``delete`` never read values.
+    - Errors are :class:`BackendError` subclasses; a call never outlives ``timeout``.
+    """
+
+    #: URL parameters this backend accepts (documented in docs/configuration.md).
+    params: ClassVar[dict[str, Param]] = {}
+
+    @classmethod
+    @abc.abstractmethod
+    async def from_url(cls, url: StoreURL) -> StorageBackend:
+        """Build (and connect, if it must) a backend from a parsed URL. Runs on the loop."""
+
+    @abc.abstractmethod
+    async def put(self, items: Sequence[tuple[str, Value]]) -> None:
+        """Store every (key, value) pair; each key atomically."""
+
+    @abc.abstractmethod
+    async def get(self, keys: Sequence[str]) -> list[Sequence[Buffer] | None]:
+        """Fetch values in key order; ``None`` where a key is absent."""
+
+    @abc.abstractmethod
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys are present, in key order."""
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[str]) -> int:
+        """Remove keys; return how many existed."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections and threads. Idempotent."""
+
+    #: True when :meth:`get_into` reads straight into caller memory (no intermediate buffer).
+    reads_into: ClassVar[bool] = False
+
+    async def get_into(self, key: str, dests: Sequence[memoryview]) -> int | None:
+        """Scatter one value across ``dests`` in order; return the value's length, ``None`` for a miss.
+
+        The buffers are filled only when the value's length equals their total size; otherwise nothing is
+        written and the length is returned so the caller can report the mismatch. The default goes through
+        :meth:`get`; backends that can read straight into caller memory (``readv`` on a file, a zero-copy
+        RPC) override it and set ``reads_into``.
+        """
+        (chunks,) = await self.get([key])
+        if chunks is None:
+            return None
+        total = sum(memoryview(c).nbytes for c in chunks)
+        if total != sum(d.nbytes for d in dests):
+            return total
+        _scatter([memoryview(c).cast("B") for c in chunks], [d.cast("B") for d in dests])
+        return total
+
+    async def __aenter__(self) -> StorageBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _scatter(sources: list[memoryview], dests: list[memoryview]) -> None:
+    """Copy the concatenation of ``sources`` into the concatenation of ``dests`` (equal total sizes)."""
+    di, doff = 0, 0
+    for src in sources:
+        soff = 0
+        while soff < src.nbytes:
+            dest = dests[di]
+            take = min(src.nbytes - soff, dest.nbytes - doff)
+            dest[doff : doff + take] = src[soff : soff + take]
+            soff += take
+            doff += take
+            if doff == dest.nbytes:
+                di, doff = di + 1, 0
+
+
+# -- registry ------------------------------------------------------------------------------------------
+# scheme -> ("module:Class", extra to install if the import fails)
+_BUILTINS: dict[str, tuple[str, str | None]] = {
+    "memory": ("backends.memory:MemoryBackend", None),
+    "file": ("backends.file:FileBackend", None),
+    "redis": ("backends.redis:RedisBackend", None),
+    "rediss": ("backends.redis:RedisBackend", None),
+    "unix": ("backends.redis:RedisBackend", None),
+    "redis+cluster": ("backends.redis_cluster:RedisClusterBackend", None),
+    "mooncake": ("backends.mooncake:MooncakeBackend", "asyncconn[mooncake]"),
+}
+_registered: dict[str, tuple[str | type[StorageBackend], str | None]] = {}
+_registry_lock = threading.Lock()
+
+
+def register_backend(scheme: str, target: str | type[StorageBackend], *, override: bool = False) -> None:
+    """Register a backend class (or a lazy ``"module:Class"`` string) for a URL scheme.
+
+    Built-in schemes can never be replaced; a scheme registered earlier needs ``override=True``.
+    """
+    scheme = scheme.lower()
+    if scheme in _BUILTINS:
+        raise ConfigError(f"scheme {scheme!r} is built in and cannot be overridden")
+    with _registry_lock:
+        if scheme in _registered and not override:
+            raise ConfigError(f"scheme {scheme!r} is already registered (pass override=True to replace it)")
+        _registered[scheme] = (target, None)
+
+
+def _entry_points() -> dict[str, str]:
+    found: dict[str, str] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found[ep.name.lower()] = ep.value
+    return found
+
+
+def available_schemes() -> list[str]:
+    """Every scheme a URL may use: built-ins, registered ones and entry-point plug-ins."""
+    return sorted(set(_BUILTINS) | set(_registered) | set(_entry_points()))
+
+
+def _load(target: str, scheme: str, extra: str | None) -> type[StorageBackend]:
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = f"; install it with: pip install '{extra}'" if extra else ""
+        raise BackendNotInstalled(f"backend for {scheme}:// cannot be imported ({exc}){hint}") from exc
+    cls: Any = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
+        raise ConfigError(f"{target!r} (scheme {scheme!r}) is not a StorageBackend subclass")
+    return cls
+
+
+def resolve_backend(scheme: str) -> type[StorageBackend]:
+    """The backend class for a scheme, importing it on first use."""
+    scheme = scheme.lower()
+    if scheme in _BUILTINS:
+        target, extra = _BUILTINS[scheme]
+        return _load(target, scheme, extra)
+    with _registry_lock:
+        entry = _registered.get(scheme)
+    if entry is not None:
+        target_or_cls, extra = entry
+        if isinstance(target_or_cls, str):
+            return _load(target_or_cls, scheme, extra)
+        return target_or_cls
+    plugins = _entry_points()
+    if scheme in plugins:
+        return _load(plugins[scheme], scheme, None)
+    raise UnknownSchemeError(
+        f"no storage backend for scheme {scheme!r} (available: {', '.join(available_schemes())}; "
+        f"third-party backends register under the {ENTRY_POINT_GROUP!r} entry-point group)"
+    )
+
+
+async def open_backend(url: str | StoreURL) -> StorageBackend:
+    """Open the backend a URL names. Must be awaited on the runtime loop (clients bind to their loop)."""
+    parsed = url if isinstance(url, StoreURL) else parse_url(url)
+    cls = resolve_backend(parsed.scheme)
+    try:
+        return await cls.from_url(parsed)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"bad store URL {redact(parsed.raw)!r}: {exc}") from None

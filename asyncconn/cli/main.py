@@ -1,0 +1,77 @@
+"""Argument parsing and dispatch for the ``asyncconn`` command.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; they are
+listed here by module path so that ``asyncconn --help`` stays fast and one subcommand's dependencies never
+load for another. Exit codes: 0 ok, 1 a check failed, 2 bad usage or an unreachable/unknown store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+__all__ = ["build_parser", "main"]
+
+# name -> (module, help)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "check": ("asyncconn.cli.check", "round-trip a tensor through a store and report latencies"),
+    "demo": ("asyncconn.cli.demo", "run the end-to-end demo on an embedded store"),
+    "lookup-server": ("asyncconn.cli.lookup_server", "serve Mooncake-framed lookups from a store over ZMQ"),
+}
+_BENCHES: dict[str, tuple[str, str]] = {
+    "backend": ("asyncconn.cli.bench_backend", "put/get/exists throughput and latency of a store"),
+    "lookup": ("asyncconn.cli.bench_lookup", "lookup client cost on the caller's thread and throughput"),
+    "transfer": ("asyncconn.cli.bench_transfer", "stream loader and save tracker figures"),
+}
+
+
+def _module(path: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as exc:
+        if exc.name == path:
+            return None  # not built yet in this version
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncconn", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (path, help_text) in _COMMANDS.items():
+        module = _module(path)
+        if module is None:
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    bench = sub.add_parser("bench", help="benchmarks (figures go in docs/benchmarks.md)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
+    for name, (path, help_text) in _BENCHES.items():
+        module = _module(path)
+        if module is None:
+            continue
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code: int = args._run(args)
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

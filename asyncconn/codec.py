@@ -1,0 +1,316 @@
+"""Tensor <-> bytes frames: a small fixed header, the raw payload, and a checksum over both.
+
+Layout (all integers little-endian)::
+
+    magic      4s   b"ACNF"
+    version    u8   FORMAT_VERSION
+    dtype      u8   code from _DTYPES (never a free-form string: nothing read is evaluated)
+    ndim       u8   <= MAX_NDIM
+    flags      u8   0 (reserved; a non-zero value is rejected)
+    length     u64  payload bytes
+    shape      ndim x u64
+    checksum   u64  xxh3_64 of every header byte before it, then of the payload
+    payload    `length` bytes, C-contiguous
+
+The checksum covers the header as well as the payload, so a flipped dtype code (float16 <-> bfloat16 have
+the same item size) or shape is caught, not decoded into a plausible wrong tensor. Decoding checks every
+field and the checksum over the *source* bytes before any byte is copied into a destination tensor, and
+accepts the payload as a sequence of chunks (as stores that split large values return it) so values are
+never joined into an intermediate ``bytes`` object. There is no pickle anywhere in this path.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from asyncconn.exceptions import (
+    FrameCorrupt,
+    FrameMismatch,
+    FrameTooLarge,
+    FrameTruncated,
+    FrameVersionError,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "Chunks",
+    "FrameHeader",
+    "decode",
+    "decode_into",
+    "decode_into_buffer",
+    "encode",
+    "encode_parts",
+    "frame_size",
+    "header_size",
+    "parse_header",
+    "tensor_bytes",
+    "verify_split",
+]
+
+MAGIC = b"ACNF"
+FORMAT_VERSION = 1
+MAX_NDIM = 16
+DEFAULT_MAX_PAYLOAD = 1 << 36  # 64 GiB: far above any embedding or KV value, far below a wrapped u64
+
+_FIXED = struct.Struct("<4sBBBBQ")
+_U64 = struct.Struct("<Q")
+
+# Codes are part of the wire format: append only, never renumber.
+_DTYPES: dict[int, torch.dtype] = {
+    1: torch.float32,
+    2: torch.float16,
+    3: torch.bfloat16,
+    4: torch.float64,
+    5: torch.uint8,
+    6: torch.int8,
+    7: torch.int16,
+    8: torch.int32,
+    9: torch.int64,
+    10: torch.bool,
+    11: torch.float8_e4m3fn,
+    12: torch.float8_e5m2,
+}
+_CODES: dict[torch.dtype, int] = {v: k for k, v in _DTYPES.items()}
+
+Buffer = bytes | bytearray | memoryview
+Chunks = Sequence[Buffer]
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """What a frame's header declares, after validation."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    payload_len: int
+    checksum: int
+    header_len: int
+
+    @property
+    def frame_len(self) -> int:
+        return self.header_len + self.payload_len
+
+
+def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
+    """A flat uint8 memoryview over a contiguous CPU tensor's storage (no copy)."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable flat byte view of a contiguous CPU tensor (the destination of a direct read)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise FrameMismatch("a direct read needs a contiguous CPU tensor")
+    return _as_bytes_view(tensor)
+
+
+def header_size(ndim: int) -> int:
+    """Header bytes of a frame with ``ndim`` dimensions."""
+    return _FIXED.size + 8 * ndim + 8
+
+
+def _header_prefix(dtype: torch.dtype, shape: Sequence[int], payload_len: int) -> bytes:
+    code = _CODES.get(dtype)
+    if code is None:
+        raise FrameMismatch(f"dtype {dtype} cannot be encoded (supported: {sorted(map(str, _CODES))})")
+    if len(shape) > MAX_NDIM:
+        raise FrameMismatch(f"tensor has {len(shape)} dims; at most {MAX_NDIM} can be encoded")
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), 0, payload_len) + b"".join(
+        _U64.pack(d) for d in shape
+    )
+
+
+def frame_size(tensor: torch.Tensor) -> int:
+    """Bytes the frame of ``tensor`` occupies."""
+    return header_size(tensor.dim()) + tensor.numel() * tensor.element_size()
+
+
+def encode_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview]:
+    """Encode without copying the payload: ``(header, payload_view)``.
+
+    The tensor is moved to the CPU and made contiguous if needed; the returned view keeps that CPU copy
+    alive, so callers may write the two parts out (``writev``, a pipeline) without joining them.
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    payload = _as_bytes_view(t)
+    prefix = _header_prefix(t.dtype, tuple(t.shape), payload.nbytes)
+    h = xxhash.xxh3_64()
+    h.update(prefix)
+    h.update(payload)
+    return prefix + _U64.pack(h.intdigest()), payload
+
+
+def encode(tensor: torch.Tensor) -> bytes:
+    """Encode into one ``bytes`` object (one payload copy; use :func:`encode_parts` to avoid it)."""
+    header, payload = encode_parts(tensor)
+    return header + payload.tobytes()
+
+
+class _ChunkCursor:
+    """Reads across a sequence of buffers without joining them."""
+
+    __slots__ = ("_chunks", "_index", "_offset", "total")
+
+    def __init__(self, chunks: Chunks) -> None:
+        self._chunks = [c if isinstance(c, memoryview) else memoryview(c) for c in chunks]
+        self._chunks = [c.cast("B") if c.format != "B" or c.ndim != 1 else c for c in self._chunks]
+        self._index = 0
+        self._offset = 0
+        self.total = sum(c.nbytes for c in self._chunks)
+
+    def read_small(self, n: int) -> bytes:
+        """Copy out ``n`` bytes (header fields only); raises FrameTruncated when they are not there."""
+        out = bytearray()
+        for view in self.views(n):
+            out += view
+        if len(out) != n:
+            raise FrameTruncated(f"frame truncated: wanted {n} more header bytes, found {len(out)}")
+        return bytes(out)
+
+    def views(self, n: int) -> list[memoryview]:
+        """The next ``n`` bytes as zero-copy views (fewer if the buffers run out)."""
+        out: list[memoryview] = []
+        while n > 0 and self._index < len(self._chunks):
+            chunk = self._chunks[self._index]
+            take = min(n, chunk.nbytes - self._offset)
+            out.append(chunk[self._offset : self._offset + take])
+            n -= take
+            self._offset += take
+            if self._offset == chunk.nbytes:
+                self._index += 1
+                self._offset = 0
+        return out
+
+
+def _as_chunks(data: Buffer | Chunks) -> Chunks:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return (data,)
+    return data
+
+
+def _read_header(cursor: _ChunkCursor, max_payload: int) -> tuple[FrameHeader, bytes]:
+    fixed = cursor.read_small(_FIXED.size)
+    magic, version, code, ndim, flags, length = _FIXED.unpack(fixed)
+    if magic != MAGIC:
+        raise FrameCorrupt(f"not an asyncconn frame (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise FrameVersionError(f"frame format version {version}; this build reads {FORMAT_VERSION}")
+    if flags != 0:
+        raise FrameCorrupt(f"frame has unknown flags {flags:#x}")
+    dtype = _DTYPES.get(code)
+    if dtype is None:
+        raise FrameCorrupt(f"frame has unknown dtype code {code}")
+    if ndim > MAX_NDIM:
+        raise FrameCorrupt(f"frame declares {ndim} dims (max {MAX_NDIM})")
+    if length > max_payload:
+        raise FrameTooLarge(f"frame declares {length} payload bytes, over the cap of {max_payload}")
+    shape_bytes = cursor.read_small(8 * ndim)
+    shape = tuple(_U64.unpack_from(shape_bytes, 8 * i)[0] for i in range(ndim))
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = dtype.itemsize
+    if numel * itemsize != length:
+        raise FrameCorrupt(f"frame shape {shape} x {dtype} does not match its payload length {length}")
+    (checksum,) = _U64.unpack(cursor.read_small(8))
+    header_len = _FIXED.size + 8 * ndim + 8
+    if cursor.total != header_len + length:
+        if cursor.total < header_len + length:
+            raise FrameTruncated(f"frame truncated: {cursor.total} bytes, header promises {header_len + length}")
+        raise FrameCorrupt(f"frame has {cursor.total - header_len - length} trailing bytes")
+    return FrameHeader(dtype, shape, length, checksum, header_len), fixed + shape_bytes
+
+
+def parse_header(data: Buffer | Chunks, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> FrameHeader:
+    """Validate a whole frame's header and length (not the checksum) and return what it declares."""
+    header, _ = _read_header(_ChunkCursor(_as_chunks(data)), max_payload)
+    return header
+
+
+def _verified_payload(data: Buffer | Chunks, max_payload: int) -> tuple[FrameHeader, list[memoryview]]:
+    cursor = _ChunkCursor(_as_chunks(data))
+    header, prefix = _read_header(cursor, max_payload)
+    views = cursor.views(header.payload_len)
+    h = xxhash.xxh3_64()
+    h.update(prefix)
+    for view in views:
+        h.update(view)
+    if h.intdigest() != header.checksum:
+        raise FrameCorrupt("frame checksum mismatch (corrupted payload or header)")
+    return header, views
+
+
+def _copy_views(views: list[memoryview], dest: memoryview) -> None:
+    offset = 0
+    for view in views:
+        dest[offset : offset + view.nbytes] = view
+        offset += view.nbytes
+
+
+def decode(data: Buffer | Chunks, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> torch.Tensor:
+    """Validate a frame and return a new CPU tensor holding its payload (one copy)."""
+    header, views = _verified_payload(data, max_payload)
+    out = torch.empty(header.shape, dtype=header.dtype)
+    if header.payload_len:
+        _copy_views(views, _as_bytes_view(out))
+    return out
+
+
+def decode_into(
+    data: Buffer | Chunks, out: torch.Tensor, *, max_payload: int = DEFAULT_MAX_PAYLOAD
+) -> FrameHeader:
+    """Validate a frame, then copy its payload into ``out`` (a contiguous CPU tensor, e.g. pinned staging).
+
+    ``out`` must have the frame's dtype and number of elements (a reshaped view is accepted); otherwise
+    :class:`FrameMismatch` is raised and ``out`` is untouched, as it is for every other error.
+    """
+    header, views = _verified_payload(data, max_payload)
+    if out.dtype != header.dtype or out.numel() * out.element_size() != header.payload_len:
+        raise FrameMismatch(
+            f"frame holds {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}"
+        )
+    if out.device.type != "cpu" or not out.is_contiguous():
+        raise FrameMismatch("decode_into needs a contiguous CPU destination (stage, then copy to the device)")
+    if header.payload_len:
+        _copy_views(views, _as_bytes_view(out))
+    return header
+
+
+def verify_split(header: Buffer, payload: memoryview, out: torch.Tensor) -> FrameHeader:
+    """Check a frame that was read in two pieces, the header and the payload already in ``out``'s memory.
+
+    Used by backends that read straight into the destination: the bytes have reached ``out`` (a staging
+    buffer) but nothing hands ``out`` on unless this returns.
+    """
+    cursor = _ChunkCursor((header, payload))
+    parsed, prefix = _read_header(cursor, DEFAULT_MAX_PAYLOAD)
+    if out.dtype != parsed.dtype or out.numel() * out.element_size() != parsed.payload_len:
+        raise FrameMismatch(
+            f"frame holds {parsed.dtype}{list(parsed.shape)}, destination is {out.dtype}{list(out.shape)}"
+        )
+    h = xxhash.xxh3_64()
+    h.update(prefix)
+    h.update(payload)
+    if h.intdigest() != parsed.checksum:
+        raise FrameCorrupt("frame checksum mismatch (corrupted payload or header)")
+    return parsed
+
+
+def decode_into_buffer(
+    data: Buffer | Chunks, dest: memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD
+) -> FrameHeader:
+    """Validate a frame and copy its payload to the start of a raw byte buffer (a staging slab)."""
+    header, views = _verified_payload(data, max_payload)
+    if dest.nbytes < header.payload_len:
+        raise FrameMismatch(f"frame payload is {header.payload_len} bytes, buffer holds {dest.nbytes}")
+    _copy_views(views, dest.cast("B") if dest.format != "B" else dest)
+    return header

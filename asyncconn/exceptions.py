@@ -1,0 +1,110 @@
+"""Every exception asyncconn raises, in one tree.
+
+Library code translates foreign exceptions (redis-py's, OS errors, zmq's, torch's) into these types at the
+boundary where they enter, so callers -- vLLM adapters above all -- only ever need to catch
+:class:`AsyncConnError` or one of its branches. No builtin name is shadowed.
+
+::
+
+    AsyncConnError
+    ├── ConfigError                 a bad URL, URL parameter or extra_config key/value (names it)
+    │   ├── UnknownSchemeError      no backend registered for a URL scheme
+    │   └── BackendNotInstalled     the scheme is known but its optional extra is missing
+    ├── CodecError                  a payload that is not a valid frame (never a wrong tensor)
+    │   ├── FrameTruncated          fewer bytes than the header promises
+    │   ├── FrameCorrupt            bad magic, bad header field or checksum mismatch
+    │   ├── FrameVersionError       a format version this build cannot read
+    │   ├── FrameTooLarge           a declared size over the configured cap
+    │   └── FrameMismatch           a valid frame whose dtype/shape differ from the destination
+    ├── BackendError                a store operation failed
+    │   ├── BackendUnavailable      the store cannot be reached (refused, reset, closed)
+    │   └── BackendTimeout          the store did not answer within the timeout
+    └── RuntimeStateError           misuse of the loop runtime (closed, or blocking on its own thread)
+        ├── RuntimeClosed
+        └── LoopThreadBlocked
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncConnError",
+    "BackendError",
+    "BackendNotInstalled",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "CodecError",
+    "ConfigError",
+    "FrameCorrupt",
+    "FrameMismatch",
+    "FrameTooLarge",
+    "FrameTruncated",
+    "FrameVersionError",
+    "LoopThreadBlocked",
+    "RuntimeClosed",
+    "RuntimeStateError",
+    "UnknownSchemeError",
+]
+
+
+class AsyncConnError(Exception):
+    """Base of every error raised by asyncconn."""
+
+
+class ConfigError(AsyncConnError, ValueError):
+    """A configuration value is wrong; the message names the key or URL parameter."""
+
+
+class UnknownSchemeError(ConfigError):
+    """No storage backend is registered for the URL's scheme."""
+
+
+class BackendNotInstalled(ConfigError):
+    """The backend for a scheme exists but its optional dependency is not installed."""
+
+
+class CodecError(AsyncConnError):
+    """Bytes read from a store or socket are not a valid tensor frame."""
+
+
+class FrameTruncated(CodecError):
+    """The payload is shorter than its header says."""
+
+
+class FrameCorrupt(CodecError):
+    """Bad magic, an impossible header field, or a checksum mismatch."""
+
+
+class FrameVersionError(CodecError):
+    """The frame was written by a format version this build does not read."""
+
+
+class FrameTooLarge(CodecError):
+    """The frame declares a payload larger than the configured cap."""
+
+
+class FrameMismatch(CodecError):
+    """A valid frame whose dtype or shape does not fit the destination tensor."""
+
+
+class BackendError(AsyncConnError):
+    """A storage backend operation failed."""
+
+
+class BackendUnavailable(BackendError):
+    """The store could not be reached or dropped the connection."""
+
+
+class BackendTimeout(BackendError):
+    """The store did not answer within the configured timeout."""
+
+
+class RuntimeStateError(AsyncConnError):
+    """The loop runtime was used in a way that cannot work."""
+
+
+class RuntimeClosed(RuntimeStateError):
+    """Work was submitted to a runtime that has been closed."""
+
+
+class LoopThreadBlocked(RuntimeStateError):
+    """A blocking wait was attempted on the runtime's own loop thread (it would deadlock)."""

@@ -1,0 +1,269 @@
+"""The one background event loop that all asyncconn I/O runs on, and the bridge sync code uses to reach it.
+
+vLLM's scheduler and worker are synchronous threads that must never wait on I/O. They hand coroutines to
+:class:`Runtime` with :meth:`Runtime.submit` and get a :class:`concurrent.futures.Future` back, whose
+``done()`` they poll on later steps. The loop thread owns every socket and store client; nothing else touches
+them, so no locks are needed around I/O (DESIGN.md, "the one rule").
+
+Calling ``result()`` on such a future from the loop thread itself would deadlock; here it raises
+:class:`LoopThreadBlocked` instead. After ``fork()`` the child process gets a fresh runtime on first use:
+the parent's loop thread does not exist in the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from asyncconn.exceptions import LoopThreadBlocked, RuntimeClosed
+
+__all__ = ["LoopFuture", "Runtime", "get_runtime", "shutdown_runtime"]
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+            return loop
+    return asyncio.new_event_loop()
+
+
+class LoopFuture(concurrent.futures.Future[T]):
+    """A ``concurrent.futures.Future`` that refuses to block on its runtime's own loop thread."""
+
+    _loop_thread: threading.Thread | None = None
+
+    def _check_thread(self) -> None:
+        if not self.done() and threading.current_thread() is self._loop_thread:
+            raise LoopThreadBlocked(
+                "blocking on a runtime future from the runtime's own loop thread would deadlock; "
+                "await the coroutine instead"
+            )
+
+    def result(self, timeout: float | None = None) -> T:
+        self._check_thread()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._check_thread()
+        return super().exception(timeout)
+
+
+class Runtime:
+    """A background thread running one asyncio loop (uvloop when installed).
+
+    ``submit`` is cheap and thread-safe; ``run`` blocks the caller (never on the loop thread) with an
+    optional timeout; ``close`` cancels outstanding work and joins the thread.
+    """
+
+    def __init__(self, *, name: str = "asyncconn-loop", use_uvloop: bool = True) -> None:
+        self._name = name
+        self._use_uvloop = use_uvloop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> Runtime:
+        """Start the loop thread (idempotent)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeClosed("runtime is closed")
+            if self._thread is not None:
+                return self
+            loop = _new_loop(self._use_uvloop)
+            started = threading.Event()
+
+            def main() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(started.set)
+                try:
+                    loop.run_forever()
+                finally:
+                    try:
+                        loop.run_until_complete(loop.shutdown_asyncgens())
+                    finally:
+                        loop.close()
+
+            thread = threading.Thread(target=main, name=self._name, daemon=True)
+            thread.start()
+            started.wait()
+            self._loop, self._thread = loop, thread
+        return self
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self.start()
+        assert self._loop is not None
+        return self._loop
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def in_loop_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    @property
+    def uses_uvloop(self) -> bool:
+        return type(self.loop).__module__.startswith("uvloop")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel outstanding tasks, stop the loop and join the thread. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        if threading.current_thread() is thread:
+            raise LoopThreadBlocked("Runtime.close() cannot be called from the loop thread")
+
+        async def _drain() -> None:
+            tasks = [t for t in self._tasks if not t.done()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout)
+
+        try:
+            asyncio.run_coroutine_threadsafe(_drain(), loop).result(timeout)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            log.warning("asyncconn runtime: tasks did not finish within %.1fs of close()", timeout)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+
+    # -- the bridge ------------------------------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> LoopFuture[T]:
+        """Schedule ``coro`` on the loop; return a future that sync code may poll or wait on.
+
+        Cancelling the returned future cancels the task on the loop.
+        """
+        if self._closed:
+            coro.close()
+            raise RuntimeClosed("runtime is closed")
+        loop = self.loop
+        fut: LoopFuture[T] = LoopFuture()
+        fut._loop_thread = self._thread
+        fut.set_running_or_notify_cancel()
+
+        def _spawn() -> None:
+            if fut.done():  # cancelled before the loop got to it
+                coro.close()
+                return
+            task = loop.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda t: _copy_to_future(t, fut))
+            fut.add_done_callback(lambda f: _cancel_task_from_future(f, task, loop))
+
+        if threading.current_thread() is self._thread:
+            _spawn()
+        else:
+            try:
+                loop.call_soon_threadsafe(_spawn)
+            except RuntimeError:
+                coro.close()
+                raise RuntimeClosed("runtime loop is not running") from None
+        return fut
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (from a thread other than the loop thread).
+
+        On timeout the task is cancelled and ``concurrent.futures.TimeoutError`` is raised.
+        """
+        if self.in_loop_thread():
+            coro.close()
+            raise LoopThreadBlocked("Runtime.run() called from the loop thread; await the coroutine instead")
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run a plain callback on the loop thread (thread-safe, fire and forget)."""
+        if self._closed:
+            raise RuntimeClosed("runtime is closed")
+        self.loop.call_soon_threadsafe(fn, *args)
+
+
+def _copy_to_future(task: asyncio.Task[T], fut: concurrent.futures.Future[T]) -> None:
+    if fut.done():
+        return
+    if task.cancelled():
+        fut.cancel()
+        return
+    exc = task.exception()
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(task.result())
+
+
+def _cancel_task_from_future(
+    fut: concurrent.futures.Future[Any], task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop
+) -> None:
+    if fut.cancelled() and not task.done():
+        try:
+            loop.call_soon_threadsafe(task.cancel)
+        except RuntimeError:  # loop already closed
+            pass
+
+
+_default: Runtime | None = None
+_default_lock = threading.Lock()
+
+
+def get_runtime() -> Runtime:
+    """The process-wide runtime, started on first use (and anew in a forked child)."""
+    global _default
+    rt = _default
+    if rt is not None and not rt.closed and rt._pid == os.getpid():
+        return rt
+    with _default_lock:
+        if _default is None or _default.closed or _default._pid != os.getpid():
+            _default = Runtime().start()
+        return _default
+
+
+def shutdown_runtime(timeout: float = 5.0) -> None:
+    """Close the process-wide runtime, if one was started."""
+    global _default
+    with _default_lock:
+        rt, _default = _default, None
+    if rt is not None and rt._pid == os.getpid():
+        rt.close(timeout)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's loop thread does not exist here; drop the reference without touching its loop.
+    global _default, _default_lock
+    _default = None
+    _default_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+

@@ -1,0 +1,183 @@
+"""Tensors in, tensors out: framing, validation, timeouts and counters on top of any :class:`StorageBackend`.
+
+This is the layer the lookup client, the loaders and the adapters use. It turns a bad payload into a miss
+(counted, logged once per key) rather than an exception that would reach vLLM, and bounds every call by a
+timeout so a hung store degrades to :class:`BackendTimeout`, never to a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import TypeVar
+
+import torch
+
+from asyncconn import codec
+from asyncconn.backend import StorageBackend, open_backend
+from asyncconn.exceptions import BackendError, BackendTimeout, CodecError, FrameMismatch
+from asyncconn.url import StoreURL, parse_url, redact
+
+__all__ = ["StoreStats", "TensorStore"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 5.0
+
+
+@dataclass
+class StoreStats:
+    """Counters since the store was opened (plain ints: read them from any thread)."""
+
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class TensorStore:
+    """Frame, check and time-bound tensor traffic to one backend. Use it on the runtime loop."""
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_payload: int = codec.DEFAULT_MAX_PAYLOAD,
+        name: str = "store",
+    ) -> None:
+        self.backend = backend
+        self.timeout = timeout
+        self.max_payload = max_payload
+        self.name = name
+        self.stats = StoreStats()
+
+    @classmethod
+    async def open(cls, url: str | StoreURL, *, timeout: float = DEFAULT_TIMEOUT) -> TensorStore:
+        parsed = url if isinstance(url, StoreURL) else parse_url(url)
+        try:
+            backend = await asyncio.wait_for(open_backend(parsed), timeout)
+        except TimeoutError:
+            raise BackendTimeout(f"{redact(parsed.raw)}: could not connect within {timeout:g}s") from None
+        return cls(backend, timeout=timeout, name=redact(parsed.raw))
+
+    async def put(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Encode and store tensors (zero-copy of the payload: header and view are written as parts)."""
+        batch = []
+        nbytes = 0
+        for key, tensor in items:
+            header, payload = codec.encode_parts(tensor)
+            batch.append((key, (header, payload)))
+            nbytes += len(header) + payload.nbytes
+        if not batch:
+            return
+        await self._call(self.backend.put(batch), "put")
+        self.stats.puts += len(batch)
+        self.stats.bytes_written += nbytes
+
+    async def get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        """Fetch and decode; a missing or invalid value is ``None`` (invalid ones are counted as corrupt)."""
+        if not keys:
+            return []
+        values = await self._call(self.backend.get(keys), "get")
+        out: list[torch.Tensor | None] = []
+        for key, chunks in zip(keys, values, strict=True):
+            tensor = None
+            if chunks is not None:
+                try:
+                    tensor = codec.decode(chunks, max_payload=self.max_payload)
+                except CodecError as exc:
+                    self._corrupt(key, exc)
+                else:
+                    self.stats.bytes_read += sum(memoryview(c).nbytes for c in chunks)
+            self._count(tensor is not None)
+            out.append(tensor)
+        return out
+
+    async def get_into(self, key: str, out: torch.Tensor) -> bool:
+        """Load one value into ``out`` (contiguous CPU, e.g. pinned staging). False on a miss or bad value.
+
+        On False the contents of ``out`` are unspecified: it is a staging buffer, never a tensor vLLM reads.
+        Backends that read into caller memory land the payload straight in ``out`` (one copy); others are
+        decoded from their chunks into ``out`` after validation (one copy from the client's buffers).
+        """
+        if self.backend.reads_into and out.is_contiguous() and out.device.type == "cpu":
+            ok = await self._get_into_direct(key, out)
+        else:
+            (chunks,) = await self._call(self.backend.get([key]), "get")
+            ok = False
+            if chunks is not None:
+                try:
+                    codec.decode_into(chunks, out, max_payload=self.max_payload)
+                    ok = True
+                    self.stats.bytes_read += sum(memoryview(c).nbytes for c in chunks)
+                except CodecError as exc:
+                    self._corrupt(key, exc)
+        self._count(ok)
+        return ok
+
+    async def _get_into_direct(self, key: str, out: torch.Tensor) -> bool:
+        header_buf = bytearray(codec.header_size(out.dim()))
+        payload = codec.tensor_bytes(out)
+        length = await self._call(self.backend.get_into(key, [memoryview(header_buf), payload]), "get")
+        if length is None:
+            return False
+        try:
+            if length != len(header_buf) + payload.nbytes:
+                raise FrameMismatch(
+                    f"stored value is {length} bytes; a frame of {out.dtype}{list(out.shape)} is "
+                    f"{len(header_buf) + payload.nbytes}"
+                )
+            codec.verify_split(header_buf, payload, out)
+        except CodecError as exc:
+            self._corrupt(key, exc)
+            return False
+        self.stats.bytes_read += length
+        return True
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        return await self._call(self.backend.exists(keys), "exists")
+
+    async def delete(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        return await self._call(self.backend.delete(keys), "delete")
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    async def _call(self, coro: Awaitable[T], what: str) -> T:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await coro
+        except TimeoutError:
+            self.stats.timeouts += 1
+            raise BackendTimeout(f"{self.name}: {what} did not finish within {self.timeout:g}s") from None
+        except BackendError:
+            self.stats.errors += 1
+            raise
+
+    def _count(self, hit: bool) -> None:
+        self.stats.gets += 1
+        if hit:
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1
+
+    def _corrupt(self, key: str, exc: CodecError) -> None:
+        self.stats.corrupt += 1
+        log.warning("%s: value under %r is not a valid frame, treated as a miss: %s", self.name, key, exc)

@@ -1,0 +1,194 @@
+"""``file:///path``: a shared directory as a store, for processes on one host (or a shared filesystem).
+
+The embedded default of ``asyncconn demo``: no server to run. Blocking file I/O runs on a small bounded
+thread pool, never on the loop thread. Each value is one file written to a temporary name and renamed into
+place (``os.replace`` is atomic on POSIX), so two producers racing on one key leave one whole value and a
+reader never sees a torn file. Reads can land straight in caller memory (``preadv``), which is how a 16 MiB
+frame goes from the page cache into a pinned staging tensor with a single copy.
+
+Key -> path: ``<root>/<2 hex of blake2b(key)>/<percent-encoded key>`` (a hash when the name would be too long),
+so any key string is a safe file name and no directory grows without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import ClassVar, TypeVar
+from urllib.parse import quote
+
+from asyncconn.backend import Buffer, StorageBackend, Value
+from asyncconn.exceptions import BackendError, BackendUnavailable, ConfigError
+from asyncconn.url import Param, StoreURL
+
+__all__ = ["FileBackend"]
+
+T = TypeVar("T")
+_MAX_NAME = 200
+_TMP_PREFIX = ".tmp."
+
+
+def _parts(value: Value) -> list[memoryview]:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return [memoryview(value).cast("B")]
+    return [memoryview(v).cast("B") for v in value]
+
+
+class FileBackend(StorageBackend):
+    """One file per key under a root directory; atomic renames; reads straight into caller buffers."""
+
+    params: ClassVar[dict[str, Param]] = {
+        "workers": Param.count(4, "threads doing blocking file I/O"),
+        "fsync": Param.boolean(False, "fsync each file before renaming it into place (durability vs speed)"),
+        "create": Param.boolean(True, "create the root directory if it does not exist"),
+    }
+    reads_into: ClassVar[bool] = True
+
+    def __init__(self, root: str | os.PathLike[str], *, workers: int = 4, fsync: bool = False,
+                 create: bool = True) -> None:
+        self.root = Path(root)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            raise ConfigError(f"file:// root {str(self.root)!r} is not a directory")
+        self.fsync = fsync
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="asyncconn-file")
+        self._closed = False
+
+    @classmethod
+    async def from_url(cls, url: StoreURL) -> FileBackend:
+        opts = url.options(cls.params)
+        if url.host not in (None, "", "localhost"):
+            raise ConfigError(f"file:// URL names host {url.host!r}; use file:///absolute/path")
+        if not url.path or url.path == "/":
+            raise ConfigError("file:// URL needs a directory path, e.g. file:///var/cache/asyncconn")
+        return cls(url.path, workers=opts["workers"], fsync=opts["fsync"], create=opts["create"])
+
+    # -- key layout ------------------------------------------------------------------------------------
+    def path_for(self, key: str) -> Path:
+        digest = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+        name = quote(key, safe="")
+        if len(name) > _MAX_NAME or name.startswith("."):
+            name = "h-" + digest
+        return self.root / digest[:2] / name
+
+    # -- blocking halves (pool threads) ----------------------------------------------------------------
+    def _write(self, key: str, value: Value) -> None:
+        path = self.path_for(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for part in _parts(value):
+                while part.nbytes:
+                    written = os.write(fd, part)
+                    part = part[written:]
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def _read(self, key: str) -> bytearray | None:
+        try:
+            fd = os.open(self.path_for(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            view = memoryview(buf)
+            got = 0
+            while got < size:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break
+                got += n
+            return buf if got == size else None  # shrank under us: only possible if replaced mid-read
+        finally:
+            os.close(fd)
+
+    def _read_into(self, key: str, dests: Sequence[memoryview]) -> int | None:
+        try:
+            fd = os.open(self.path_for(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size != sum(d.nbytes for d in dests):
+                return size
+            views = [d.cast("B") for d in dests]
+            offset = 0
+            while views:
+                n = os.preadv(fd, views, offset)
+                if n == 0:
+                    return offset  # truncated while open: report the short length
+                offset += n
+                while views and n >= views[0].nbytes:
+                    n -= views[0].nbytes
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
+            return size
+        finally:
+            os.close(fd)
+
+    def _delete(self, key: str) -> bool:
+        try:
+            os.unlink(self.path_for(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    # -- async contract --------------------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        if self._closed:
+            raise BackendUnavailable("file backend is closed")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                raise BackendUnavailable(f"file store {str(self.root)!r}: {exc.strerror}") from exc
+            raise BackendError(f"file store {str(self.root)!r}: {exc}") from exc
+
+    async def put(self, items: Sequence[tuple[str, Value]]) -> None:
+        await asyncio.gather(*(self._run(self._write, k, v) for k, v in items))
+
+    async def get(self, keys: Sequence[str]) -> list[Sequence[Buffer] | None]:
+        found = await asyncio.gather(*(self._run(self._read, k) for k in keys))
+        return [(b,) if b is not None else None for b in found]
+
+    async def get_into(self, key: str, dests: Sequence[memoryview]) -> int | None:
+        # A pool thread cannot be stopped mid-read. If the caller is cancelled (a timeout), wait for the
+        # read to finish before letting the cancellation through, so the caller never recycles a buffer
+        # that a thread is still writing into. Local reads are bounded; the wait is short.
+        job = asyncio.ensure_future(self._run(self._read_into, key, dests))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            await asyncio.wait([job])
+            raise
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self._run(lambda: [self.path_for(k).is_file() for k in keys])
+
+    async def delete(self, keys: Sequence[str]) -> int:
+        return await self._run(lambda: sum(self._delete(k) for k in keys))
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=False, cancel_futures=True)
