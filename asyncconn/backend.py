@@ -16,7 +16,7 @@ import abc
 import importlib
 import importlib.metadata
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from asyncconn.exceptions import BackendError, BackendNotInstalled, ConfigError, UnknownSchemeError
@@ -25,6 +25,7 @@ from asyncconn.url import Param, StoreURL, parse_url, redact
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Buffer",
+    "Sink",
     "StorageBackend",
     "Value",
     "available_schemes",
@@ -38,6 +39,8 @@ ENTRY_POINT_GROUP = "asyncconn.backends"
 Buffer = bytes | bytearray | memoryview
 #: A value as it is written or read: one buffer, or its chunks in order (never joined by the library).
 Value = Buffer | Sequence[Buffer]
+#: Receives consecutive pieces of a value as a direct read lands them (see ``StorageBackend.get_into``).
+Sink = Callable[[memoryview], None]
 
 
 def value_nbytes(value: Value) -> int:
@@ -88,21 +91,27 @@ class StorageBackend(abc.ABC):
     #: True when :meth:`get_into` reads straight into caller memory (no intermediate buffer).
     reads_into: ClassVar[bool] = False
 
-    async def get_into(self, key: str, dests: Sequence[memoryview]) -> int | None:
+    async def get_into(self, key: str, dests: Sequence[memoryview], sink: Sink | None = None) -> int | None:
         """Scatter one value across ``dests`` in order; return the value's length, ``None`` for a miss.
 
         The buffers are filled only when the value's length equals their total size; otherwise nothing is
-        written and the length is returned so the caller can report the mismatch. The default goes through
-        :meth:`get`; backends that can read straight into caller memory (``readv`` on a file, a zero-copy
-        RPC) override it and set ``reads_into``.
+        written and the length is returned so the caller can report the mismatch. ``sink``, when given, is
+        called with each consecutive piece of the value, in order, once that piece has landed -- possibly on
+        another thread, while later pieces are still being read -- so a caller can checksum during the
+        read instead of after it. The default goes through :meth:`get`; backends that can read straight
+        into caller memory (``preadv`` on a file, a zero-copy RPC) override it and set ``reads_into``.
         """
         (chunks,) = await self.get([key])
         if chunks is None:
             return None
         total = sum(memoryview(c).nbytes for c in chunks)
-        if total != sum(d.nbytes for d in dests):
+        targets = [d.cast("B") for d in dests]
+        if total != sum(d.nbytes for d in targets):
             return total
-        _scatter([memoryview(c).cast("B") for c in chunks], [d.cast("B") for d in dests])
+        _scatter([memoryview(c).cast("B") for c in chunks], targets)
+        if sink is not None:
+            for target in targets:
+                sink(target)
         return total
 
     async def __aenter__(self) -> StorageBackend:

@@ -41,6 +41,7 @@ __all__ = [
     "MAGIC",
     "Chunks",
     "FrameHeader",
+    "FrameVerifier",
     "decode",
     "decode_into",
     "decode_into_buffer",
@@ -197,7 +198,7 @@ def _as_chunks(data: Buffer | Chunks) -> Chunks:
     return data
 
 
-def _read_header(cursor: _ChunkCursor, max_payload: int) -> tuple[FrameHeader, bytes]:
+def _parse_fixed_and_shape(cursor: _ChunkCursor, max_payload: int) -> FrameHeader:
     fixed = cursor.read_small(_FIXED.size)
     magic, version, code, ndim, flags, length = _FIXED.unpack(fixed)
     if magic != MAGIC:
@@ -218,16 +219,26 @@ def _read_header(cursor: _ChunkCursor, max_payload: int) -> tuple[FrameHeader, b
     numel = 1
     for d in shape:
         numel *= d
-    itemsize = dtype.itemsize
-    if numel * itemsize != length:
+    if numel * dtype.itemsize != length:
         raise FrameCorrupt(f"frame shape {shape} x {dtype} does not match its payload length {length}")
     (checksum,) = _U64.unpack(cursor.read_small(8))
-    header_len = _FIXED.size + 8 * ndim + 8
-    if cursor.total != header_len + length:
-        if cursor.total < header_len + length:
-            raise FrameTruncated(f"frame truncated: {cursor.total} bytes, header promises {header_len + length}")
-        raise FrameCorrupt(f"frame has {cursor.total - header_len - length} trailing bytes")
-    return FrameHeader(dtype, shape, length, checksum, header_len), fixed + shape_bytes
+    return FrameHeader(dtype, shape, length, checksum, header_size(ndim))
+
+
+def _read_header(cursor: _ChunkCursor, max_payload: int) -> tuple[FrameHeader, bytes]:
+    header = _parse_fixed_and_shape(cursor, max_payload)
+    expected = header.frame_len
+    if cursor.total != expected:
+        if cursor.total < expected:
+            raise FrameTruncated(f"frame truncated: {cursor.total} bytes, header promises {expected}")
+        raise FrameCorrupt(f"frame has {cursor.total - expected} trailing bytes")
+    return header, _header_prefix_of(header)
+
+
+def _header_prefix_of(header: FrameHeader) -> bytes:
+    """The checksummed header bytes (everything before the checksum field), rebuilt from a parsed header."""
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, _CODES[header.dtype], len(header.shape), 0,
+                       header.payload_len) + b"".join(_U64.pack(d) for d in header.shape)
 
 
 def parse_header(data: Buffer | Chunks, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> FrameHeader:
@@ -285,24 +296,71 @@ def decode_into(
     return header
 
 
-def verify_split(header: Buffer, payload: memoryview, out: torch.Tensor) -> FrameHeader:
-    """Check a frame that was read in two pieces, the header and the payload already in ``out``'s memory.
+class FrameVerifier:
+    """Checks a frame fed piece by piece, as a reader lands it in the destination's memory.
 
-    Used by backends that read straight into the destination: the bytes have reached ``out`` (a staging
-    buffer) but nothing hands ``out`` on unless this returns.
+    Backends that read straight into caller memory call :meth:`feed` with each consecutive piece while the
+    next one is still being read, so the checksum pass overlaps the I/O instead of following it. Nothing
+    hands the destination on unless :meth:`finish` returns: until then it is only a staging buffer.
     """
-    cursor = _ChunkCursor((header, payload))
-    parsed, prefix = _read_header(cursor, DEFAULT_MAX_PAYLOAD)
-    if out.dtype != parsed.dtype or out.numel() * out.element_size() != parsed.payload_len:
-        raise FrameMismatch(
-            f"frame holds {parsed.dtype}{list(parsed.shape)}, destination is {out.dtype}{list(out.shape)}"
-        )
-    h = xxhash.xxh3_64()
-    h.update(prefix)
-    h.update(payload)
-    if h.intdigest() != parsed.checksum:
-        raise FrameCorrupt("frame checksum mismatch (corrupted payload or header)")
-    return parsed
+
+    __slots__ = ("_hash", "_head", "_header", "_max_payload", "_out", "_seen")
+
+    def __init__(self, out: torch.Tensor, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+        self._out = out
+        self._max_payload = max_payload
+        self._head = bytearray()
+        self._header: FrameHeader | None = None
+        self._hash = xxhash.xxh3_64()
+        self._seen = 0
+
+    def _header_len(self) -> int:
+        if len(self._head) < _FIXED.size:
+            return _FIXED.size
+        return header_size(self._head[6])
+
+    def feed(self, piece: memoryview) -> None:
+        if self._header is None:
+            need = self._header_len() - len(self._head)
+            take = piece[:need]
+            self._head += take
+            piece = piece[take.nbytes :]
+            if len(self._head) == _FIXED.size and self._head[6] <= MAX_NDIM:
+                need = self._header_len() - len(self._head)
+                take = piece[:need]
+                self._head += take
+                piece = piece[take.nbytes :]
+            if len(self._head) < self._header_len():
+                return
+            cursor = _ChunkCursor((bytes(self._head),))
+            self._header = _parse_fixed_and_shape(cursor, self._max_payload)
+            self._hash.update(memoryview(self._head)[:-8])
+        if piece.nbytes:
+            self._hash.update(piece)
+            self._seen += piece.nbytes
+
+    def finish(self) -> FrameHeader:
+        header = self._header
+        if header is None:
+            raise FrameTruncated(f"frame truncated: {len(self._head)} header bytes")
+        if self._seen != header.payload_len:
+            raise FrameTruncated(f"frame payload is {self._seen} bytes, header promises {header.payload_len}")
+        out = self._out
+        if out.dtype != header.dtype or out.numel() * out.element_size() != header.payload_len:
+            raise FrameMismatch(
+                f"frame holds {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}"
+            )
+        if self._hash.intdigest() != header.checksum:
+            raise FrameCorrupt("frame checksum mismatch (corrupted payload or header)")
+        return header
+
+
+def verify_split(header: Buffer, payload: memoryview, out: torch.Tensor) -> FrameHeader:
+    """Check a frame read in two pieces: the header, and the payload already in ``out``'s memory."""
+    verifier = FrameVerifier(out)
+    verifier.feed(memoryview(header).cast("B"))
+    verifier.feed(payload)
+    return verifier.finish()
 
 
 def decode_into_buffer(

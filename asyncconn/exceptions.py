@@ -19,9 +19,13 @@ boundary where they enter, so callers -- vLLM adapters above all -- only ever ne
     ├── BackendError                a store operation failed
     │   ├── BackendUnavailable      the store cannot be reached (refused, reset, closed)
     │   └── BackendTimeout          the store did not answer within the timeout
-    └── RuntimeStateError           misuse of the loop runtime (closed, or blocking on its own thread)
-        ├── RuntimeClosed
-        └── LoopThreadBlocked
+    ├── RuntimeStateError           misuse of the loop runtime (closed, or blocking on its own thread)
+    │   ├── RuntimeClosed
+    │   └── LoopThreadBlocked
+    ├── TransferError               a transfer engine (loader, save tracker, pinned pool) refused a request
+    │   ├── PoolTooSmall            a buffer larger than the whole pinned pool was asked for
+    │   └── DuplicateTransfer       a key already in flight in the same loader was submitted again
+    └── LookupProtocolError         a lookup message that breaks the wire format (bad frames, sizes, keys)
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ __all__ = [
     "RuntimeClosed",
     "RuntimeStateError",
     "UnknownSchemeError",
+    "TransferError",
+    "PoolTooSmall",
+    "DuplicateTransfer",
+    "LookupProtocolError",
 ]
 
 
@@ -108,3 +116,19 @@ class RuntimeClosed(RuntimeStateError):
 
 class LoopThreadBlocked(RuntimeStateError):
     """A blocking wait was attempted on the runtime's own loop thread (it would deadlock)."""
+
+
+class TransferError(AsyncConnError):
+    """A transfer engine refused a request (misuse, or a size it can never serve)."""
+
+
+class PoolTooSmall(TransferError):
+    """A staging buffer larger than the pinned pool's whole capacity was requested: it can never be served."""
+
+
+class DuplicateTransfer(TransferError):
+    """A key that is already being loaded by the same loader was submitted again."""
+
+
+class LookupProtocolError(AsyncConnError):
+    """A lookup request or reply breaks the wire format (frame count, field sizes, key encoding, caps)."""

@@ -166,7 +166,6 @@ class Runtime:
         loop = self.loop
         fut: LoopFuture[T] = LoopFuture()
         fut._loop_thread = self._thread
-        fut.set_running_or_notify_cancel()
 
         def _spawn() -> None:
             if fut.done():  # cancelled before the loop got to it
@@ -211,16 +210,21 @@ class Runtime:
 
 
 def _copy_to_future(task: asyncio.Task[T], fut: concurrent.futures.Future[T]) -> None:
+    # The future stays PENDING until here (so a caller's cancel() works); a cancel racing with this copy
+    # from another thread wins and the result is dropped.
     if fut.done():
         return
-    if task.cancelled():
-        fut.cancel()
-        return
-    exc = task.exception()
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(task.result())
+    try:
+        if task.cancelled():
+            fut.cancel()
+            return
+        exc = task.exception()
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(task.result())
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def _cancel_task_from_future(

@@ -130,16 +130,19 @@ class TensorStore:
     async def _get_into_direct(self, key: str, out: torch.Tensor) -> bool:
         header_buf = bytearray(codec.header_size(out.dim()))
         payload = codec.tensor_bytes(out)
-        length = await self._call(self.backend.get_into(key, [memoryview(header_buf), payload]), "get")
-        if length is None:
-            return False
+        verifier = codec.FrameVerifier(out, max_payload=self.max_payload)
         try:
+            length = await self._call(
+                self.backend.get_into(key, [memoryview(header_buf), payload], verifier.feed), "get"
+            )
+            if length is None:
+                return False
             if length != len(header_buf) + payload.nbytes:
                 raise FrameMismatch(
                     f"stored value is {length} bytes; a frame of {out.dtype}{list(out.shape)} is "
                     f"{len(header_buf) + payload.nbytes}"
                 )
-            codec.verify_split(header_buf, payload, out)
+            verifier.finish()
         except CodecError as exc:
             self._corrupt(key, exc)
             return False

@@ -1,0 +1,88 @@
+"""``asyncconn check URL``: is this store usable? One line out, exit 0 or 2.
+
+Round-trips a small tensor (put, exists, get, compare, delete) under a unique key and prints the latency of
+each step. An unknown scheme, a bad URL, an unreachable or hung store all print one line naming the problem
+(the URL redacted) and exit 2 within ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+import uuid
+
+import torch
+
+from asyncconn.exceptions import AsyncConnError
+from asyncconn.runtime import Runtime
+from asyncconn.store import TensorStore
+from asyncconn.url import redact
+
+__all__ = ["add_arguments", "check", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="store URL, e.g. redis://127.0.0.1:6379/0 or file:///tmp/store")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds allowed for the whole check")
+    parser.add_argument("--size", type=int, default=1 << 16, help="bytes of the test tensor")
+
+
+async def check(url: str, timeout: float, size: int) -> dict[str, float]:
+    """Run the round trip; return the latency of each step in milliseconds. Raises AsyncConnError."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    store = await TensorStore.open(url, timeout=timeout)
+    timings["connect"] = (time.perf_counter() - t0) * 1e3
+    key = f"asyncconn-check-{uuid.uuid4().hex}"
+    tensor = torch.arange(max(size // 4, 1), dtype=torch.float32)
+    try:
+        t = time.perf_counter()
+        await store.put([(key, tensor)])
+        timings["put"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        (present,) = await store.exists([key])
+        timings["exists"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        (back,) = await store.get([key])
+        timings["get"] = (time.perf_counter() - t) * 1e3
+        if not present or back is None:
+            raise AsyncConnError("value written by put is not there on read")
+        if not torch.equal(back, tensor):
+            raise AsyncConnError("value read back differs from the value written")
+    finally:
+        # Best effort and bounded: a failed check must not hang on its own clean-up.
+        t = time.perf_counter()
+        with contextlib.suppress(AsyncConnError, TimeoutError):
+            async with asyncio.timeout(min(timeout, 0.25)):
+                await store.delete([key])
+        with contextlib.suppress(AsyncConnError, TimeoutError):
+            async with asyncio.timeout(min(timeout, 0.25)):
+                await store.close()
+        timings["delete"] = (time.perf_counter() - t) * 1e3
+    return timings
+
+
+async def _bounded(url: str, timeout: float, size: int) -> dict[str, float]:
+    try:
+        async with asyncio.timeout(timeout):
+            return await check(url, timeout, size)
+    except TimeoutError:
+        raise TimeoutError(f"no answer within {timeout:g}s") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    safe = redact(args.url)
+    runtime = Runtime(name="asyncconn-check").start()
+    try:
+        timings = runtime.run(_bounded(args.url, args.timeout, args.size), timeout=args.timeout + 2.0)
+    except (AsyncConnError, TimeoutError) as exc:
+        reason = str(exc) or f"no answer within {args.timeout:g}s"
+        print(f"asyncconn check {safe}: FAILED: {redact(reason)}")
+        return 2
+    finally:
+        runtime.close(timeout=1.0)
+    steps = " ".join(f"{name}={ms:.2f}ms" for name, ms in timings.items())
+    print(f"asyncconn check {safe}: ok {steps}")
+    return 0

@@ -1,0 +1,177 @@
+"""The only place that knows whether transfers run on CUDA: streams, events and pinned memory, or plain CPU.
+
+The loader and the save tracker are written against :class:`TransferDevice`, so the same code path runs in
+CI without a GPU: :class:`CpuDevice` copies synchronously and hands out events that are always complete,
+:class:`CudaDevice` issues every copy on its own side stream with ``non_blocking=True`` from pinned memory and
+records a real ``torch.cuda.Event``. Nothing here ever synchronizes: callers find out that a copy is done by
+``event.query()``, polled from the worker thread that owns the device object (DESIGN.md, the one rule).
+
+Cross-stream memory reuse (the caching allocator). A device tensor the loader creates is *allocated on the
+side stream* (inside ``torch.cuda.stream(side)``), so the allocator only ever hands its memory out again to
+side-stream allocations, which are ordered after our copy by the stream itself: no wait on the default stream
+is needed before the copy, and the copy overlaps with whatever compute is queued there. When the tensor is
+handed to the caller (after its event has fired) :meth:`TransferDevice.hand_over` calls
+``tensor.record_stream(current_stream)``, so that when vLLM frees it the allocator waits for the default-stream
+work queued by then before reusing the block for the next side-stream copy. The other choice -- allocate on
+the default stream and make the side stream ``wait_stream(default)`` -- would serialize every load behind all
+the compute queued at the time of the copy, which is exactly the stall this module exists to remove.
+
+Writes into memory we did not allocate (KV blocks in vLLM's cache) are ordered after the default-stream work
+queued *when the load was submitted* (an event recorded then, waited on by the side stream), not after work
+queued later, so they still overlap with the steps that follow. Every CUDA tensor a side-stream copy touches
+is ``record_stream``-ed on the side stream, so its owner may free it (a finished request's KV block, a
+snapshotted activation) while the copy is still queued without the allocator handing the memory out early.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+__all__ = ["DONE", "CpuDevice", "CudaDevice", "Event", "TransferDevice", "default_device"]
+
+
+class Event(Protocol):
+    """What the engines need of a CUDA event: a non-blocking completion test."""
+
+    def query(self) -> bool: ...
+
+
+class _Done:
+    """The event of a synchronous (CPU) copy: complete by the time it exists."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "DONE"
+
+
+DONE: Event = _Done()
+
+#: ``(destination, source)`` pairs copied in order by one call.
+CopyPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class TransferDevice(abc.ABC):
+    """Copies between pinned host staging and the device, ordered by events and never synchronizing."""
+
+    #: ``torch.device`` that loaded tensors land on.
+    device: torch.device
+
+    @property
+    @abc.abstractmethod
+    def pinned(self) -> bool:
+        """True when :meth:`alloc_host` returns page-locked memory."""
+
+    @abc.abstractmethod
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        """A 1-D ``uint8`` host buffer of ``nbytes`` (pinned where a GPU makes that worthwhile)."""
+
+    @abc.abstractmethod
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A new device tensor that copies may write from the side stream (see the module docstring)."""
+
+    @abc.abstractmethod
+    def mark(self) -> Event:
+        """An event on the caller's current stream: "the work queued so far" (producer or consumer)."""
+
+    @abc.abstractmethod
+    def copy(self, pairs: CopyPairs, *, after: Event | None = None) -> Event:
+        """Issue ``dst.copy_(src)`` for each pair on the side stream, after ``after``; return its event."""
+
+    @abc.abstractmethod
+    def hand_over(self, tensor: torch.Tensor) -> None:
+        """Make a tensor made by :meth:`empty` safe to use and free on the caller's current stream."""
+
+
+class CpuDevice(TransferDevice):
+    """Synchronous copies on CPU tensors; every event is :data:`DONE`. The CI and no-GPU path."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    @property
+    def pinned(self) -> bool:
+        return False
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype)
+
+    def mark(self) -> Event:
+        return DONE
+
+    def copy(self, pairs: CopyPairs, *, after: Event | None = None) -> Event:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return DONE
+
+    def hand_over(self, tensor: torch.Tensor) -> None:
+        return None
+
+
+class CudaDevice(TransferDevice):
+    """One side stream per instance (the loader and the save tracker each own one) on one CUDA device."""
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"CudaDevice needs a cuda device, got {dev}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.stream = torch.cuda.Stream(device=dev)
+
+    @property
+    def pinned(self) -> bool:
+        return True
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        with torch.cuda.stream(self.stream):
+            return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+    def mark(self) -> Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy(self, pairs: CopyPairs, *, after: Event | None = None) -> Event:
+        with torch.cuda.stream(self.stream):
+            if isinstance(after, torch.cuda.Event):
+                self.stream.wait_event(after)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                # A caller's tensor read or written here may be freed by its owner before the copy ends;
+                # this keeps the allocator from reusing its memory until the side stream is past it.
+                for t in (dst, src):
+                    if t.is_cuda:
+                        t.record_stream(self.stream)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def hand_over(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(torch.cuda.current_stream(self.device))
+
+
+def default_device(device: torch.device | str | int | None = None) -> TransferDevice:
+    """CUDA when asked for (or, with no argument, when available); the synchronous CPU device otherwise."""
+    if device is None:
+        return CudaDevice() if torch.cuda.is_available() else CpuDevice()
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type == "cuda":
+        return CudaDevice(dev)
+    if dev.type == "cpu":
+        return CpuDevice()
+    raise ValueError(f"transfers support cpu and cuda devices, not {dev}")

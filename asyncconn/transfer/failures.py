@@ -1,0 +1,51 @@
+"""Why a transfer failed, as a value: the engines report failures in their poll results, never by raising.
+
+vLLM's worker thread must not see an exception from a store it did not choose; a failed load is a miss to
+recompute and a failed save is a counted, logged non-event. :func:`classify` is the one place where the
+exceptions that come back from the loop are turned into a :class:`Failure`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from asyncconn.exceptions import (
+    BackendError,
+    BackendTimeout,
+    CodecError,
+    FrameTooLarge,
+    PoolTooSmall,
+    RuntimeStateError,
+)
+
+__all__ = ["Failure", "classify"]
+
+log = logging.getLogger(__name__)
+
+
+class Failure(enum.StrEnum):
+    """The reason carried by a failed load (and counted for failed saves)."""
+
+    MISS = "miss"  # the key is not in the store
+    CORRUPT = "corrupt"  # a value is there but is not a valid frame of the expected dtype/shape
+    TIMEOUT = "timeout"  # the store did not answer within its timeout
+    STORE_ERROR = "store_error"  # the store failed (unreachable, full, closed) or the runtime is gone
+    TOO_LARGE = "too_large"  # the value can never fit the staging pool or the declared maximum
+    DEVICE_ERROR = "device_error"  # the device refused (e.g. out of memory for the destination)
+
+
+def classify(exc: BaseException) -> tuple[Failure, str]:
+    """Map an exception from a fetch or put to a failure reason and a one-line detail."""
+    detail = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, BackendTimeout):
+        return Failure.TIMEOUT, detail
+    if isinstance(exc, BackendError | RuntimeStateError):
+        return Failure.STORE_ERROR, detail
+    if isinstance(exc, FrameTooLarge | PoolTooSmall):
+        return Failure.TOO_LARGE, detail
+    if isinstance(exc, CodecError):
+        return Failure.CORRUPT, detail
+    # Not ours: a bug in a third-party backend. Still a failure value, never an exception on the worker.
+    log.error("unexpected exception in a transfer, treated as a store error", exc_info=exc)
+    return Failure.STORE_ERROR, detail

@@ -1,0 +1,377 @@
+"""StreamLoader: store -> pinned staging (on the loop) -> device (on a side stream), polled from the worker.
+
+A load moves through three states, each owned by one thread (DESIGN.md, the one rule):
+
+1. *queued* (worker): waiting for a staging buffer. When the pool answers "not now" the key stays queued, in
+   order, and is retried on the next :meth:`StreamLoader.poll` -- back-pressure instead of an allocation.
+2. *fetching* (loop): ``TensorStore.get_into`` reads and validates the frame straight into the staging buffer.
+   The loop never touches CUDA. When the task ends, its future's done-callback puts the load on a
+   thread-safe deque that the worker drains in ``poll()``; nothing is scanned.
+3. *copying* (worker): the worker issues the H2D copy on the side stream, records an event, and hands the
+   tensor out from a later ``poll()`` once ``event.query()`` is true. The staging buffer goes back to the pool
+   at the same moment (the copy has read it).
+
+Failures -- miss, corrupt, timeout, store error, too large, device error -- come back from ``poll()`` as
+:class:`LoadResult` values with a reason; no exception from the store ever reaches the worker thread.
+
+Cancellation (``cancel(key)``) never frees a buffer that something may still write: a queued load is simply
+dropped; a fetching load's task is cancelled *on the loop* and its buffer is returned only when its future
+completes, i.e. after the task has really stopped (the future is not cancelled from the worker: a cancelled
+``concurrent.futures.Future`` reports "done" before the loop task has run its cancellation); a copying load
+keeps its buffer until its event fires, and its device tensor is dropped (it was allocated on the side stream,
+so the allocator cannot hand it out before the copy is done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from asyncconn.exceptions import DuplicateTransfer, PoolTooSmall, RuntimeClosed, TransferError
+from asyncconn.runtime import LoopFuture, Runtime, get_runtime
+from asyncconn.store import TensorStore
+from asyncconn.transfer._device import Event, TransferDevice, default_device
+from asyncconn.transfer.dest import BlockDest, Destination, NewTensor
+from asyncconn.transfer.failures import Failure, classify
+from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
+
+__all__ = ["LoadResult", "StreamLoader"]
+
+log = logging.getLogger(__name__)
+
+_QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """One finished load: ``tensor`` is ready on the default stream, or ``failure`` says why there is none.
+
+    For a :class:`BlockDest` the blocks are filled in place and ``tensor`` is ``None``: check ``ok``.
+    """
+
+    key: str
+    tensor: torch.Tensor | None
+    failure: Failure | None = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+@dataclass(slots=True)
+class _Fetched:
+    """What the loop hands back: a failure, or the dtype/shape now in the staging buffer."""
+
+    failure: Failure | None = None
+    detail: str = ""
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+
+
+class _Load:
+    __slots__ = (
+        "after",
+        "buf",
+        "cancel_requested",
+        "cancelled",
+        "dest",
+        "event",
+        "future",
+        "key",
+        "out",
+        "state",
+        "task",
+    )
+
+    def __init__(self, key: str, dest: Destination) -> None:
+        self.key = key
+        self.dest = dest
+        self.state = _QUEUED
+        self.buf: PinnedBuffer | None = None
+        self.future: LoopFuture[_Fetched] | None = None
+        self.event: Event | None = None
+        self.after: Event | None = None  # default-stream work to finish before writing KV blocks
+        self.out: torch.Tensor | None = None
+        self.cancelled = False  # worker-owned
+        self.cancel_requested = False  # loop-owned
+        self.task: asyncio.Task[_Fetched] | None = None  # loop-owned
+
+
+class StreamLoader:
+    """Loads values from a :class:`TensorStore` onto the device without ever blocking the calling thread.
+
+    All methods are called from one thread (vLLM's worker), which owns the device state. ``max_inflight``
+    bounds the fetches running on the loop at once; the pool bounds the staging bytes.
+    """
+
+    def __init__(
+        self,
+        store: TensorStore,
+        *,
+        runtime: Runtime | None = None,
+        device: TransferDevice | None = None,
+        pool: PinnedPool | None = None,
+        max_inflight: int = 64,
+    ) -> None:
+        if max_inflight <= 0:
+            raise TransferError(f"max_inflight must be > 0, got {max_inflight}")
+        self.store = store
+        self.runtime = runtime if runtime is not None else get_runtime()
+        self.device = device if device is not None else default_device()
+        self.pool = pool if pool is not None else PinnedPool(device=self.device)
+        self.max_inflight = max_inflight
+        self._loads: dict[str, _Load] = {}  # live (not cancelled, not reported) loads by key
+        self._queued: collections.deque[_Load] = collections.deque()
+        self._fetched: collections.deque[_Load] = collections.deque()  # appended on the loop thread
+        self._copying: collections.deque[_Load] = collections.deque()
+        self._results: list[LoadResult] = []  # failures found outside poll(), reported by the next poll()
+        self._closed = False
+        # Leak counters: each must come back to 0 once every load is reported or cancelled and polled.
+        self.buffers_out = 0
+        self.events_out = 0
+        self.futures_pending = 0
+        # Totals.
+        self.loaded = 0
+        self.loaded_bytes = 0
+        self.cancelled = 0
+        self.failures: collections.Counter[Failure] = collections.Counter()
+
+    # -- public API ------------------------------------------------------------------------------------
+    def submit(self, key: str, dest: Destination) -> None:
+        """Start loading ``key`` into ``dest``; its result comes back from a later :meth:`poll`.
+
+        Raises :class:`DuplicateTransfer` if ``key`` is already loading (cancel it first), and
+        :class:`TransferError` after :meth:`close`. Store problems never raise here: they are poll results.
+        """
+        if self._closed:
+            raise TransferError("StreamLoader is closed")
+        if key in self._loads:
+            raise DuplicateTransfer(f"{key!r} is already being loaded")
+        if not isinstance(dest, NewTensor | BlockDest):
+            raise TransferError(f"dest must be a NewTensor or a BlockDest, not {type(dest).__name__}")
+        load = _Load(key, dest)
+        if isinstance(dest, BlockDest):
+            if dest.cache.device != self.device.device:
+                raise TransferError(f"KV cache is on {dest.cache.device}, the loader copies to {self.device.device}")
+            load.after = self.device.mark()
+        self._loads[key] = load
+        self._queued.append(load)
+        self._start_queued()
+
+    def poll(self) -> list[LoadResult]:
+        """Results of loads that completed since the last call (ready tensors and failures). Never blocks."""
+        results, self._results = self._results, []
+        while self._copying and self._copying[0].event is not None and self._copying[0].event.query():
+            self._finish_copy(self._copying.popleft(), results)
+        while self._fetched:
+            self._on_fetched(self._fetched.popleft(), results)
+        self._start_queued()
+        return results
+
+    def cancel(self, key: str) -> bool:
+        """Abandon a load (an aborted request): nothing is reported for it. False if it was not in flight."""
+        load = self._loads.pop(key, None)
+        if load is None:
+            return False
+        load.cancelled = True
+        self.cancelled += 1
+        if load.state == _QUEUED:
+            self._queued.remove(load)
+            load.state = _DONE
+        elif load.state == _FETCHING:
+            try:
+                self.runtime.call_soon(_cancel_on_loop, load)
+            except RuntimeClosed:
+                pass  # the runtime cancelled every task when it closed; the future completes on its own
+        elif load.state == _COPYING:
+            load.out = None  # allocated on the side stream: freeing it while the copy runs is safe
+        return True
+
+    def pending(self) -> int:
+        """Loads submitted and neither reported nor cancelled."""
+        return len(self._loads)
+
+    def counters(self) -> dict[str, int]:
+        """Resources held right now; all are 0 when the loader is idle and fully polled."""
+        return {
+            "queued": len(self._queued),
+            "buffers_out": self.buffers_out,
+            "events_out": self.events_out,
+            "futures_pending": self.futures_pending,
+        }
+
+    def stats(self) -> dict[str, int]:
+        out = {"loaded": self.loaded, "loaded_bytes": self.loaded_bytes, "cancelled": self.cancelled}
+        out.update({f"failed_{reason.value}": n for reason, n in self.failures.items()})
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel everything and wait (up to ``timeout``) until every buffer is back. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for key in list(self._loads):
+            self.cancel(key)
+        deadline = time.monotonic() + timeout
+        while self.futures_pending or self.events_out:
+            self.poll()
+            if not (self.futures_pending or self.events_out) or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        self.poll()
+        if self.buffers_out:
+            log.warning("StreamLoader.close: %d staging buffers still in use after %.1fs", self.buffers_out, timeout)
+
+    # -- worker side -----------------------------------------------------------------------------------
+    def _start_queued(self) -> None:
+        while self._queued and self.futures_pending < self.max_inflight:
+            load = self._queued[0]
+            try:
+                buf = self.pool.acquire(load.dest.staging_nbytes)
+            except PoolTooSmall as exc:
+                self._queued.popleft()
+                self._fail(load, Failure.TOO_LARGE, str(exc), self._results)
+                continue
+            if buf is None:
+                return  # back-pressure: keep the order, retry on the next poll
+            self._queued.popleft()
+            self.buffers_out += 1
+            load.buf = buf
+            try:
+                future = self.runtime.submit(self._fetch(load, buf))
+            except RuntimeClosed as exc:
+                self._release(load)
+                self._fail(load, Failure.STORE_ERROR, f"runtime closed: {exc}", self._results)
+                continue
+            load.state = _FETCHING
+            load.future = future
+            self.futures_pending += 1
+            future.add_done_callback(lambda _f, load=load: self._fetched.append(load))
+
+    def _on_fetched(self, load: _Load, results: list[LoadResult]) -> None:
+        future, load.future = load.future, None
+        assert future is not None and future.done()
+        self.futures_pending -= 1
+        if load.cancelled:
+            self._release(load)
+            load.state = _DONE
+            return
+        if future.cancelled():
+            fetched = _Fetched(Failure.STORE_ERROR, "fetch cancelled (runtime closed)")
+        elif (exc := future.exception()) is not None:
+            reason, detail = classify(exc)
+            fetched = _Fetched(reason, detail)
+        else:
+            fetched = future.result()
+        if fetched.failure is not None or fetched.dtype is None:
+            self._release(load)
+            self._fail(load, fetched.failure or Failure.STORE_ERROR, fetched.detail, results)
+            return
+        assert load.buf is not None
+        value = load.buf.view(fetched.dtype, fetched.shape)
+        try:
+            if isinstance(load.dest, BlockDest):
+                load.event = self.device.copy(load.dest.pairs(value), after=load.after)
+            else:
+                load.out = self.device.empty(fetched.shape, fetched.dtype)
+                load.event = self.device.copy([(load.out, value)])
+        except RuntimeError as exc:  # torch's device errors (out of memory included) are RuntimeErrors
+            load.out = None
+            self._release(load)
+            self._fail(load, Failure.DEVICE_ERROR, f"{type(exc).__name__}: {exc}", results)
+            return
+        load.after = None
+        load.state = _COPYING
+        self.events_out += 1
+        if not self._copying and load.event.query():
+            self._finish_copy(load, results)  # synchronous device: no need to wait for the next poll
+        else:
+            self._copying.append(load)
+
+    def _finish_copy(self, load: _Load, results: list[LoadResult]) -> None:
+        self.events_out -= 1
+        load.event = None
+        nbytes = load.buf.nbytes if load.buf is not None else 0
+        self._release(load)
+        load.state = _DONE
+        out, load.out = load.out, None
+        if load.cancelled:
+            return
+        if out is not None:
+            self.device.hand_over(out)
+        self._forget(load)
+        self.loaded += 1
+        self.loaded_bytes += nbytes
+        results.append(LoadResult(load.key, out))
+
+    def _fail(self, load: _Load, reason: Failure, detail: str, results: list[LoadResult]) -> None:
+        load.state = _DONE
+        self._forget(load)
+        self.failures[reason] += 1
+        log.debug("load of %r failed (%s): %s", load.key, reason.value, detail)
+        results.append(LoadResult(load.key, None, reason, detail))
+
+    def _forget(self, load: _Load) -> None:
+        if self._loads.get(load.key) is load:
+            del self._loads[load.key]
+
+    def _release(self, load: _Load) -> None:
+        if load.buf is not None:
+            self.pool.release(load.buf)
+            load.buf = None
+            self.buffers_out -= 1
+
+    # -- loop side -------------------------------------------------------------------------------------
+    async def _fetch(self, load: _Load, buf: PinnedBuffer) -> _Fetched:
+        """Read and validate ``load.key`` into ``buf``. Runs on the loop; touches no device state."""
+        if load.cancel_requested:
+            raise asyncio.CancelledError
+        load.task = asyncio.current_task()  # type: ignore[assignment]
+        try:
+            dest = load.dest
+            if isinstance(dest, BlockDest):
+                return await self._fetch_exact(load.key, buf, dest.cache.dtype, dest.value_shape)
+            if dest.shape is not None and dest.dtype is not None:
+                return await self._fetch_exact(load.key, buf, dest.dtype, dest.shape)
+            return await self._fetch_any(load.key, buf)
+        finally:
+            load.task = None
+
+    async def _fetch_exact(
+        self, key: str, buf: PinnedBuffer, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> _Fetched:
+        if await self.store.get_into(key, buf.view(dtype, shape)):
+            return _Fetched(dtype=dtype, shape=shape)
+        return await self._why_not(key, f"expected {dtype}{list(shape)}")
+
+    async def _fetch_any(self, key: str, buf: PinnedBuffer) -> _Fetched:
+        # The size is unknown until the frame is decoded: one extra host copy, bounded by max_nbytes.
+        (tensor,) = await self.store.get([key])
+        if tensor is None:
+            return await self._why_not(key, "")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > buf.nbytes:
+            return _Fetched(Failure.TOO_LARGE, f"value is {nbytes} bytes, NewTensor.max_nbytes is {buf.nbytes}")
+        if nbytes:
+            buf.storage[:nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        return _Fetched(dtype=tensor.dtype, shape=tuple(tensor.shape))
+
+    async def _why_not(self, key: str, expected: str) -> _Fetched:
+        """Tell a miss from a bad value (the store counts and logs the latter; both read as False)."""
+        (present,) = await self.store.exists([key])
+        if present:
+            return _Fetched(Failure.CORRUPT, f"value is not a valid frame {expected}".rstrip())
+        return _Fetched(Failure.MISS, "not in the store")
+
+
+def _cancel_on_loop(load: _Load) -> None:
+    """Runs on the loop: stop the fetch, or stop it before it starts if its task has not run yet."""
+    load.cancel_requested = True
+    if load.task is not None:
+        load.task.cancel()
