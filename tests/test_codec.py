@@ -1,0 +1,196 @@
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncconn import codec
+from asyncconn.exceptions import (
+    CodecError,
+    FrameCorrupt,
+    FrameMismatch,
+    FrameTooLarge,
+    FrameTruncated,
+    FrameVersionError,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * dtype.itemsize,), dtype=torch.uint8)
+    if dtype == torch.bool:
+        return (raw % 2).to(torch.bool).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+        b.contiguous().view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4, 5)])
+def test_roundtrip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = _sample(dtype, shape)
+    frame = codec.encode(t)
+    assert len(frame) == codec.frame_size(t)
+    assert _bits_equal(codec.decode(frame), t)
+
+
+def test_noncontiguous_input_is_encoded_as_contiguous() -> None:
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
+    assert torch.equal(codec.decode(codec.encode(t)), t)
+
+
+def test_decode_from_chunks_without_joining() -> None:
+    t = torch.randn(1000)
+    frame = codec.encode(t)
+    chunks = [frame[i : i + 333] for i in range(0, len(frame), 333)]
+    assert torch.equal(codec.decode(chunks), t)
+    out = torch.empty(1000)
+    codec.decode_into([memoryview(c) for c in chunks], out)
+    assert torch.equal(out, t)
+
+
+def test_decode_into_reshaped_view_and_raw_buffer() -> None:
+    t = torch.randn(4, 8)
+    frame = codec.encode(t)
+    out = torch.empty(32)
+    codec.decode_into(frame, out)
+    assert torch.equal(out.view(4, 8), t)
+    buf = bytearray(4096)
+    h = codec.decode_into_buffer(frame, memoryview(buf))
+    assert h.payload_len == 128 and bytes(buf[:128]) == t.numpy().tobytes()
+
+
+def test_decode_into_mismatch_leaves_destination_untouched() -> None:
+    frame = codec.encode(torch.randn(8))
+    out = torch.full((8,), 7.0, dtype=torch.float16)
+    with pytest.raises(FrameMismatch):
+        codec.decode_into(frame, out)
+    assert torch.all(out == 7)
+    with pytest.raises(FrameMismatch):
+        codec.decode_into(frame, torch.empty(9))
+
+
+def test_every_single_truncation_is_an_error() -> None:
+    frame = codec.encode(torch.randn(16))
+    for cut in range(len(frame)):
+        with pytest.raises(FrameTruncated):
+            codec.decode(frame[:cut])
+
+
+def test_every_single_bit_flip_is_detected() -> None:
+    """A flipped bit anywhere -- header or payload -- is never decoded into a tensor."""
+    t = torch.randn(6, dtype=torch.float16)
+    frame = codec.encode(t)
+    for pos in range(len(frame)):
+        for bit in (0, 3, 7):
+            bad = bytearray(frame)
+            bad[pos] ^= 1 << bit
+            with pytest.raises(CodecError):
+                codec.decode(bytes(bad))
+
+
+def test_dtype_swap_with_same_itemsize_is_caught() -> None:
+    frame = bytearray(codec.encode(torch.randn(4, dtype=torch.float16)))
+    frame[5] = 3  # float16 -> bfloat16 code: same item size, plausible tensor
+    with pytest.raises(FrameCorrupt, match="checksum"):
+        codec.decode(bytes(frame))
+
+
+def test_wrong_version_magic_flags_and_trailing_bytes() -> None:
+    frame = bytearray(codec.encode(torch.randn(2)))
+    v = bytearray(frame)
+    v[4] = 99
+    with pytest.raises(FrameVersionError):
+        codec.decode(bytes(v))
+    with pytest.raises(FrameCorrupt, match="magic"):
+        codec.decode(b"GIF89a" + bytes(frame[6:]))
+    f = bytearray(frame)
+    f[7] = 1
+    with pytest.raises(FrameCorrupt, match="flags"):
+        codec.decode(bytes(f))
+    with pytest.raises(FrameCorrupt, match="trailing"):
+        codec.decode(bytes(frame) + b"\0")
+
+
+def test_oversized_declared_payload_is_refused_before_allocation() -> None:
+    header = struct.pack("<4sBBBBQ", b"ACNF", 1, 5, 1, 0, 1 << 50) + struct.pack("<Q", 1 << 50) + b"\0" * 8
+    with pytest.raises(FrameTooLarge):
+        codec.decode(header)
+    small = codec.encode(torch.zeros(1024, dtype=torch.uint8))
+    with pytest.raises(FrameTooLarge):
+        codec.decode(small, max_payload=100)
+
+
+def test_foreign_values_are_codec_errors() -> None:
+    for foreign in (b"", b"hello world", b"\x80\x04\x95" + b"\0" * 40, b"ACNF"):  # incl. a pickle prefix
+        with pytest.raises(CodecError):
+            codec.decode(foreign)
+
+
+def test_unsupported_dtype_cannot_be_encoded() -> None:
+    with pytest.raises(FrameMismatch):
+        codec.encode(torch.zeros(2, dtype=torch.complex64))
+
+
+def test_frame_verifier_matches_decode() -> None:
+    t = torch.randn(5, 7)
+    frame = codec.encode(t)
+    out = torch.empty(5, 7)
+    for step in (1, 3, 17, 64, len(frame)):
+        v = codec.FrameVerifier(out)
+        for i in range(0, len(frame), step):
+            v.feed(memoryview(frame)[i : i + step])
+        assert v.finish().shape == (5, 7)
+    bad = bytearray(frame)
+    bad[-3] ^= 0x10
+    v = codec.FrameVerifier(out)
+    v.feed(memoryview(bytes(bad)))
+    with pytest.raises(FrameCorrupt):
+        v.finish()
+    v = codec.FrameVerifier(out)
+    v.feed(memoryview(frame)[:-1])
+    with pytest.raises(FrameTruncated):
+        v.finish()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=256))
+def test_fuzz_random_bytes_never_decode_silently(data: bytes) -> None:
+    try:
+        codec.decode(data)
+    except CodecError:
+        return
+    # Random bytes decoding successfully would need a valid magic, header and 64-bit checksum.
+    raise AssertionError("random bytes decoded")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_fuzz_mutated_frames_error_or_roundtrip(data: st.DataObject) -> None:
+    t = torch.randn(data.draw(st.integers(0, 40)))
+    frame = bytearray(codec.encode(t))
+    n = data.draw(st.integers(1, 4))
+    for _ in range(n):
+        op = data.draw(st.sampled_from(["flip", "cut", "extend"]))
+        if op == "flip" and frame:
+            i = data.draw(st.integers(0, len(frame) - 1))
+            frame[i] ^= data.draw(st.integers(1, 255))
+        elif op == "cut":
+            del frame[data.draw(st.integers(0, len(frame))) :]
+        else:
+            frame += data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        out = codec.decode(bytes(frame))
+    except CodecError:
+        return
+    assert torch.equal(out, t)  # only an untouched frame may decode

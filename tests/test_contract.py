@@ -1,0 +1,168 @@
+"""The backend contract, one suite parametrized over every backend (aiocache style).
+
+redis runs against a real redis-server started by the session fixture on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from asyncconn.backend import StorageBackend, open_backend
+from asyncconn.exceptions import BackendError
+from asyncconn.store import TensorStore
+from tests.servers import RedisServer
+
+BACKENDS = ["memory", "file", "redis"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
+    kind = request.param
+    if kind == "memory":
+        return f"memory://contract-{uuid.uuid4().hex}"
+    if kind == "file":
+        return f"file://{tmp_path}/store"
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return f"redis://127.0.0.1:{server.port}/0?prefix=contract-{uuid.uuid4().hex[:8]}:&chunk_size=1MiB"
+
+
+@pytest.fixture
+async def backend(backend_url: str) -> AsyncIterator[StorageBackend]:
+    b = await open_backend(backend_url)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+def _val(n: int, seed: int = 0) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+
+
+def _join(chunks: object) -> bytes:
+    assert chunks is not None
+    return b"".join(bytes(c) for c in chunks)  # type: ignore[attr-defined]
+
+
+async def test_put_get_exists_delete(backend: StorageBackend) -> None:
+    await backend.put([("a", b"alpha"), ("b", _val(1000))])
+    got = await backend.get(["a", "missing", "b"])
+    assert _join(got[0]) == b"alpha" and got[1] is None and _join(got[2]) == _val(1000)
+    assert await backend.exists(["b", "missing", "a"]) == [True, False, True]
+    assert await backend.delete(["a", "missing"]) == 1
+    assert await backend.exists(["a", "b"]) == [False, True]
+    assert await backend.get(["a"]) == [None]
+
+
+async def test_empty_batches(backend: StorageBackend) -> None:
+    await backend.put([])
+    assert await backend.get([]) == []
+    assert await backend.exists([]) == []
+    assert await backend.delete([]) == 0
+
+
+async def test_overwrite_replaces_whole_value(backend: StorageBackend) -> None:
+    await backend.put([("k", _val(3 << 20, 1))])
+    await backend.put([("k", b"short")])
+    assert _join((await backend.get(["k"]))[0]) == b"short"
+    await backend.put([("k", _val(3 << 20, 2))])
+    assert _join((await backend.get(["k"]))[0]) == _val(3 << 20, 2)
+
+
+@pytest.mark.parametrize("size", [0, 1, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 5 << 20])
+async def test_sizes_including_chunk_boundaries(backend: StorageBackend, size: int) -> None:
+    value = _val(size, size)
+    await backend.put([("sized", value)])
+    assert _join((await backend.get(["sized"]))[0]) == value
+
+
+async def test_value_given_as_parts_is_stored_whole(backend: StorageBackend) -> None:
+    parts = [b"head", memoryview(_val(2 << 20, 3)), bytearray(b"tail")]
+    await backend.put([("parts", parts)])
+    assert _join((await backend.get(["parts"]))[0]) == b"head" + _val(2 << 20, 3) + b"tail"
+
+
+@pytest.mark.parametrize("key", ["with space", "sla/sh", "../../etc/passwd", "ünïcödé", "{brace}:colon",
+                                 "." , "x" * 600, "nul\x00byte"])
+async def test_awkward_keys(backend: StorageBackend, key: str) -> None:
+    await backend.put([(key, b"v")])
+    assert await backend.exists([key]) == [True]
+    assert _join((await backend.get([key]))[0]) == b"v"
+    assert await backend.delete([key]) == 1
+
+
+async def test_get_into_fills_buffers_or_reports_length(backend: StorageBackend) -> None:
+    value = _val(3 << 20, 9)
+    await backend.put([("gi", value)])
+    head, body = bytearray(100), bytearray(len(value) - 100)
+    seen: list[bytes] = []
+    n = await backend.get_into("gi", [memoryview(head), memoryview(body)], lambda v: seen.append(bytes(v)))
+    assert n == len(value) and bytes(head) + bytes(body) == value and b"".join(seen) == value
+    small = bytearray(10)
+    assert await backend.get_into("gi", [memoryview(small)]) == len(value)
+    assert bytes(small) == b"\0" * 10  # untouched on a size mismatch
+    assert await backend.get_into("absent", [memoryview(small)]) is None
+
+
+async def test_many_keys_in_one_batch(backend: StorageBackend) -> None:
+    items = [(f"k{i}", f"v{i}".encode()) for i in range(300)]
+    await backend.put(items)
+    got = await backend.get([k for k, _ in items])
+    assert [_join(g) for g in got] == [v for _, v in items]
+    assert all(await backend.exists([k for k, _ in items]))
+    assert await backend.delete([k for k, _ in items]) == 300
+
+
+async def test_use_after_close_is_a_backend_error(backend_url: str) -> None:
+    b = await open_backend(backend_url)
+    await b.close()
+    await b.close()  # idempotent
+    with pytest.raises(BackendError):
+        await b.get(["x"])
+
+
+async def test_concurrent_writers_never_leave_a_torn_value(backend: StorageBackend) -> None:
+    values = [_val(2 << 20, seed) for seed in range(4)]  # chunked on redis (1 MiB chunks)
+    seen: list[bytes] = []
+
+    async def writer(v: bytes) -> None:
+        for _ in range(5):
+            await backend.put([("contested", v)])
+
+    async def reader() -> None:
+        for _ in range(15):
+            (got,) = await backend.get(["contested"])
+            if got is not None:
+                seen.append(_join(got))
+            await asyncio.sleep(0)
+
+    await asyncio.gather(*(writer(v) for v in values), reader(), reader())
+    final = _join((await backend.get(["contested"]))[0])
+    assert final in values
+    assert all(s in values for s in seen)
+
+
+async def test_tensor_store_roundtrip_and_bad_values_are_misses(backend: StorageBackend) -> None:
+    store = TensorStore(backend, timeout=10)
+    tensors = {"t1": torch.randn(3, 4), "t2": torch.arange(10, dtype=torch.int64),
+               "big": torch.randn(700_000).to(torch.bfloat16)}
+    await store.put(tensors.items())
+    got = await store.get(list(tensors) + ["nothing"])
+    for (name, t), g in zip(tensors.items(), got, strict=False):
+        assert g is not None and g.dtype == t.dtype and torch.equal(g, t), name
+    assert got[-1] is None
+    out = torch.empty(700_000, dtype=torch.bfloat16)
+    assert await store.get_into("big", out) and torch.equal(out, tensors["big"])
+    # A value written by another tool under our key, and a corrupted frame: misses, never a tensor.
+    await backend.put([("foreign", b"written by someone else"), ("t1", b"ACNF" + b"\x01" * 60)])
+    assert await store.get(["foreign", "t1"]) == [None, None]
+    assert not await store.get_into("t1", torch.empty(3, 4))
+    assert store.stats.corrupt == 3
+    # Wrong destination shape/dtype: a miss (counted), the destination is never handed on.
+    assert not await store.get_into("t2", torch.empty(10, dtype=torch.float32))
