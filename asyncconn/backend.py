@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from asyncconn.exceptions import BackendError, BackendNotInstalled, ConfigError, UnknownSchemeError
+from asyncconn.exceptions import BackendNotInstalled, ConfigError, UnknownSchemeError
 from asyncconn.url import Param, StoreURL, parse_url, redact
 
 __all__ = [

@@ -24,6 +24,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -101,7 +102,8 @@ class FrameHeader:
 def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
     """A flat uint8 memoryview over a contiguous CPU tensor's storage (no copy)."""
     flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    array: Any = flat.numpy()  # numpy arrays export the buffer protocol; its stubs do not say so
+    return memoryview(array).cast("B")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -237,8 +239,9 @@ def _read_header(cursor: _ChunkCursor, max_payload: int) -> tuple[FrameHeader, b
 
 def _header_prefix_of(header: FrameHeader) -> bytes:
     """The checksummed header bytes (everything before the checksum field), rebuilt from a parsed header."""
-    return _FIXED.pack(MAGIC, FORMAT_VERSION, _CODES[header.dtype], len(header.shape), 0,
-                       header.payload_len) + b"".join(_U64.pack(d) for d in header.shape)
+    return _FIXED.pack(
+        MAGIC, FORMAT_VERSION, _CODES[header.dtype], len(header.shape), 0, header.payload_len
+    ) + b"".join(_U64.pack(d) for d in header.shape)
 
 
 def parse_header(data: Buffer | Chunks, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> FrameHeader:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -231,10 +232,8 @@ def _cancel_task_from_future(
     fut: concurrent.futures.Future[Any], task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop
 ) -> None:
     if fut.cancelled() and not task.done():
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
             loop.call_soon_threadsafe(task.cancel)
-        except RuntimeError:  # loop already closed
-            pass
 
 
 _default: Runtime | None = None
@@ -270,4 +269,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-

@@ -27,11 +27,20 @@ __all__ = [
 ]
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1024,
-    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
-    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
 }
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0}
 _NUM_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
@@ -133,9 +142,9 @@ class StoreURL:
         """Coerce the query through ``table``: defaults filled in, unknown or bad values rejected by name."""
         unknown = sorted(set(self.query) - set(table))
         if unknown:
-            raise ConfigError(
-                f"{self.scheme}:// URL: unknown parameter {unknown[0]!r} (accepted: {', '.join(sorted(table))})"
-            )
+            accepted = ", ".join(sorted(table))
+            name = unknown[0]
+            raise ConfigError(f"{self.scheme}:// URL: unknown parameter {name!r} (accepted: {accepted})")
         out: dict[str, Any] = {}
         for name, param in table.items():
             if name in self.query:
@@ -184,8 +193,13 @@ def parse_url(url: str) -> StoreURL:
             raise ConfigError(f"URL parameter {key!r} given twice in {redact(url)!r}")
         query[key] = value
     return StoreURL(
-        raw=url, scheme=scheme, username=username, password=password, hosts=tuple(hosts),
-        path=unquote(parts.path), query=query,
+        raw=url,
+        scheme=scheme,
+        username=username,
+        password=password,
+        hosts=tuple(hosts),
+        path=unquote(parts.path),
+        query=query,
     )
 
 

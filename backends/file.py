@@ -6,7 +6,7 @@ place (``os.replace`` is atomic on POSIX), so two producers racing on one key le
 reader never sees a torn file. Reads can land straight in caller memory (``preadv``), which is how a 16 MiB
 frame goes from the page cache into a pinned staging tensor with a single copy.
 
-Key -> path: ``<root>/<2 hex of blake2b(key)>/<percent-encoded key>`` (a hash when the name would be too long),
+Key -> path: ``<root>/<2 hex of blake2b(key)>/<percent-encoded key>`` (a hash when that name is too long),
 so any key string is a safe file name and no directory grows without bound.
 """
 
@@ -86,8 +86,15 @@ class FileBackend(StorageBackend):
     }
     reads_into: ClassVar[bool] = True
 
-    def __init__(self, root: str | os.PathLike[str], *, workers: int = 4, fsync: bool = False,
-                 create: bool = True, read_threads: int = 2) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        workers: int = 4,
+        fsync: bool = False,
+        create: bool = True,
+        read_threads: int = 2,
+    ) -> None:
         self.root = Path(root)
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -97,8 +104,9 @@ class FileBackend(StorageBackend):
         self.read_threads = read_threads
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="asyncconn-file")
         # Helpers of split reads live in their own pool so a read never waits behind another read's job.
-        self._aux = ThreadPoolExecutor(max_workers=max(read_threads - 1, 1) * workers,
-                                       thread_name_prefix="asyncconn-file-aux")
+        self._aux = ThreadPoolExecutor(
+            max_workers=max(read_threads - 1, 1) * workers, thread_name_prefix="asyncconn-file-aux"
+        )
         self._closed = False
 
     @classmethod
@@ -109,8 +117,13 @@ class FileBackend(StorageBackend):
         if not url.path or url.path == "/":
             raise ConfigError("file:// URL needs a directory path, e.g. file:///var/cache/asyncconn")
         try:
-            return cls(url.path, workers=opts["workers"], fsync=opts["fsync"], create=opts["create"],
-                       read_threads=opts["read_threads"])
+            return cls(
+                url.path,
+                workers=opts["workers"],
+                fsync=opts["fsync"],
+                create=opts["create"],
+                read_threads=opts["read_threads"],
+            )
         except OSError as exc:
             raise BackendUnavailable(f"file:// root {url.path!r} is not usable: {exc.strerror}") from exc
 
@@ -130,9 +143,9 @@ class FileBackend(StorageBackend):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for part in _parts(value):
-                while part.nbytes:
-                    written = os.write(fd, part)
-                    part = part[written:]
+                rest = part
+                while rest.nbytes:
+                    rest = rest[os.write(fd, rest) :]
             if self.fsync:
                 os.fsync(fd)
         except BaseException:

@@ -35,7 +35,7 @@ def fresh_redis() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def runtime() -> Iterator["object"]:
+def runtime() -> Iterator[object]:
     """A private loop runtime, closed after the test."""
     from asyncconn.runtime import Runtime
 

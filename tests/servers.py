@@ -52,8 +52,23 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", self.workdir, "--protected-mode", "no", "--loglevel", "warning"]
+        args = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.workdir,
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         args += list(self.extra_args)

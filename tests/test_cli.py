@@ -12,8 +12,9 @@ from tests.servers import RedisServer, free_port
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "asyncconn", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "asyncconn", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_check_ok_on_file_store(tmp_path: Path) -> None:
@@ -80,8 +81,19 @@ def test_bench_backend_json(url: str | None) -> None:
 
 
 def test_bench_backend_redis_reports_vs_redis_benchmark(redis_server: RedisServer) -> None:
-    r = _cli("bench", "backend", "--url", redis_server.url, "--sizes", "1MiB", "--iterations", "8",
-             "--clients", "2", "--json")
+    r = _cli(
+        "bench",
+        "backend",
+        "--url",
+        redis_server.url,
+        "--sizes",
+        "1MiB",
+        "--iterations",
+        "8",
+        "--clients",
+        "2",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     entry = json.loads(r.stdout)["sizes"][0]
     assert entry["verified"]

@@ -17,8 +17,20 @@ from asyncconn.exceptions import (
     FrameVersionError,
 )
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -29,9 +41,13 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
-        b.contiguous().view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8),
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+            b.contiguous().view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8),
+        )
     )
 
 

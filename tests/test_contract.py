@@ -88,8 +88,10 @@ async def test_value_given_as_parts_is_stored_whole(backend: StorageBackend) -> 
     assert _join((await backend.get(["parts"]))[0]) == b"head" + _val(2 << 20, 3) + b"tail"
 
 
-@pytest.mark.parametrize("key", ["with space", "sla/sh", "../../etc/passwd", "ünïcödé", "{brace}:colon",
-                                 "." , "x" * 600, "nul\x00byte"])
+@pytest.mark.parametrize(
+    "key",
+    ["with space", "sla/sh", "../../etc/passwd", "ünïcödé", "{brace}:colon", ".", "x" * 600, "nul\x00byte"],
+)
 async def test_awkward_keys(backend: StorageBackend, key: str) -> None:
     await backend.put([(key, b"v")])
     assert await backend.exists([key]) == [True]
@@ -150,10 +152,13 @@ async def test_concurrent_writers_never_leave_a_torn_value(backend: StorageBacke
 
 async def test_tensor_store_roundtrip_and_bad_values_are_misses(backend: StorageBackend) -> None:
     store = TensorStore(backend, timeout=10)
-    tensors = {"t1": torch.randn(3, 4), "t2": torch.arange(10, dtype=torch.int64),
-               "big": torch.randn(700_000).to(torch.bfloat16)}
+    tensors = {
+        "t1": torch.randn(3, 4),
+        "t2": torch.arange(10, dtype=torch.int64),
+        "big": torch.randn(700_000).to(torch.bfloat16),
+    }
     await store.put(tensors.items())
-    got = await store.get(list(tensors) + ["nothing"])
+    got = await store.get([*list(tensors), "nothing"])
     for (name, t), g in zip(tensors.items(), got, strict=False):
         assert g is not None and g.dtype == t.dtype and torch.equal(g, t), name
     assert got[-1] is None

@@ -83,7 +83,18 @@ async def test_bad_parameter_is_named() -> None:
 def test_public_api_is_explicit() -> None:
     exported = set(asyncconn.__all__)
     public = {n for n in dir(asyncconn) if not n.startswith("_")}
-    modules = {"backend", "codec", "exceptions", "runtime", "store", "url", "cli", "lookup", "transfer", "vllm"}
+    modules = {
+        "backend",
+        "codec",
+        "exceptions",
+        "runtime",
+        "store",
+        "url",
+        "cli",
+        "lookup",
+        "transfer",
+        "vllm",
+    }
     assert public - modules - {"annotations"} <= exported
     for name in exported:
         assert hasattr(asyncconn, name), name

@@ -9,7 +9,12 @@ from asyncconn.url import Param, parse_duration, parse_size, parse_url, redact
 def test_parse_full_url() -> None:
     u = parse_url("redis://user:s%40cret@127.0.0.1:6380/2?prefix=a&ttl=5s")
     assert (u.scheme, u.username, u.password, u.host, u.port, u.path) == (
-        "redis", "user", "s@cret", "127.0.0.1", 6380, "/2"
+        "redis",
+        "user",
+        "s@cret",
+        "127.0.0.1",
+        6380,
+        "/2",
     )
     assert dict(u.query) == {"prefix": "a", "ttl": "5s"}
     assert "s@cret" not in repr(u) and "s%40cret" not in str(u)
@@ -25,8 +30,9 @@ def test_file_url_path() -> None:
     assert u.host in (None, "") and u.path == "/var/cache/asyncconn"
 
 
-@pytest.mark.parametrize("bad", ["", "no-scheme", "1redis://x", "redis://h:notaport", "redis://h:70000",
-                                 "redis://h/?a=1&a=2"])
+@pytest.mark.parametrize(
+    "bad", ["", "no-scheme", "1redis://x", "redis://h:notaport", "redis://h:70000", "redis://h/?a=1&a=2"]
+)
 def test_bad_urls_raise_config_error(bad: str) -> None:
     with pytest.raises(ConfigError):
         parse_url(bad)

@@ -47,7 +47,9 @@ def summarize(samples_s: Sequence[float]) -> dict[str, float]:
 class Progress:
     """A one-line progress bar on stderr, drawn only when stderr is a terminal (or forced)."""
 
-    def __init__(self, total: int, label: str = "", *, stream: TextIO | None = None, force: bool = False) -> None:
+    def __init__(
+        self, total: int, label: str = "", *, stream: TextIO | None = None, force: bool = False
+    ) -> None:
         self.total = max(total, 1)
         self.done = 0
         self.label = label

@@ -40,7 +40,9 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=None, help="store URL (default: file:// in a new temporary directory)")
+    parser.add_argument(
+        "--url", default=None, help="store URL (default: file:// in a new temporary directory)"
+    )
     parser.add_argument("--sizes", default="1MiB,4MiB,16MiB", help="comma-separated value sizes")
     parser.add_argument("--clients", type=int, default=4, help="concurrent operations in flight")
     parser.add_argument("--iterations", type=int, default=0, help="values per size (0: ~256 MiB per size)")
@@ -55,7 +57,9 @@ def _iterations(size: int, requested: int) -> int:
     return max(8, min(200, (256 << 20) // max(size, 1)))
 
 
-async def _timed_pool(n: int, clients: int, op: Any, progress: Progress, label: str) -> tuple[float, list[float]]:
+async def _timed_pool(
+    n: int, clients: int, op: Any, progress: Progress, label: str
+) -> tuple[float, list[float]]:
     """Run ``op(i, worker)`` for i in range(n) over ``clients`` workers; return wall time and latencies."""
     latencies: list[float] = []
     next_index = iter(range(n))
@@ -80,8 +84,9 @@ def _rate(size: int, count: int, wall: float, latencies: list[float]) -> dict[st
     }
 
 
-async def _bench_size(store: TensorStore, size: int, clients: int, iterations: int,
-                      progress: Progress) -> dict[str, Any]:
+async def _bench_size(
+    store: TensorStore, size: int, clients: int, iterations: int, progress: Progress
+) -> dict[str, Any]:
     run_id = uuid.uuid4().hex[:8]
     source = torch.randint(0, 255, (size,), dtype=torch.uint8)
     keys = [f"asyncconn-bench-{run_id}-{size}-{i}" for i in range(iterations)]
@@ -175,8 +180,15 @@ async def _memory_roundtrip(rounds: int = 2000) -> dict[str, Any]:
     return {"value_bytes": tensor.numel() * 4, "roundtrip": summarize(samples)}
 
 
-async def bench(url: str, sizes: Sequence[int], clients: int, iterations: int, timeout: float,
-                baseline: bool, progress_force: bool = False) -> dict[str, Any]:
+async def bench(
+    url: str,
+    sizes: Sequence[int],
+    clients: int,
+    iterations: int,
+    timeout: float,
+    baseline: bool,
+    progress_force: bool = False,
+) -> dict[str, Any]:
     """Run the whole benchmark on the current loop; returns the JSON-able result."""
     parsed = parse_url(url)
     store = await TensorStore.open(parsed, timeout=timeout)
@@ -206,8 +218,13 @@ async def _vs_redis_benchmark(parsed: Any, size: int, clients: int, ours: dict[s
     from asyncconn import bench_redis
 
     theirs = await asyncio.to_thread(
-        bench_redis.run_redis_benchmark, parsed.host or "127.0.0.1", parsed.port or 6379, size, clients,
-        max(8, min(200, (256 << 20) // size)), parsed.password,
+        bench_redis.run_redis_benchmark,
+        parsed.host or "127.0.0.1",
+        parsed.port or 6379,
+        size,
+        clients,
+        max(8, min(200, (256 << 20) // size)),
+        parsed.password,
     )
     out: dict[str, Any] = {"redis_benchmark": theirs}
     for op, their_op in (("put", "set"), ("get", "get")):
@@ -228,8 +245,10 @@ def _print_human(result: dict[str, Any]) -> None:
         )
         if "file_vs_plain_read" in e:
             f = e["file_vs_plain_read"]
-            print(f"{'':>8} get vs plain read(): {f['ours_gbps']:.2f} vs {f['plain_read_gbps']:.2f} GB/s"
-                  f" = {f['vs_plain_read']:.2f}x")
+            print(
+                f"{'':>8} get vs plain read(): {f['ours_gbps']:.2f} vs {f['plain_read_gbps']:.2f} GB/s"
+                f" = {f['vs_plain_read']:.2f}x"
+            )
         if "vs_redis_benchmark" in e:
             v = e["vs_redis_benchmark"]
             ratios = " ".join(f"{k}={v[k]:.2f}x" for k in ("put", "get") if k in v)
@@ -253,8 +272,9 @@ def run(args: argparse.Namespace) -> int:
     runtime = Runtime(name="asyncconn-bench").start()
     uvloop = runtime.uses_uvloop
     try:
-        result = runtime.run(bench(url, sizes, args.clients, args.iterations, args.timeout,
-                                   not args.no_baseline))
+        result = runtime.run(
+            bench(url, sizes, args.clients, args.iterations, args.timeout, not args.no_baseline)
+        )
     except AsyncConnError as exc:
         print(f"asyncconn bench backend {redact(url)}: FAILED: {redact(str(exc))}")
         return 2

@@ -39,7 +39,9 @@ def _module(path: str) -> ModuleType | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncconn", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="asyncconn", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (path, help_text) in _COMMANDS.items():
