@@ -79,6 +79,20 @@ _DTYPES: dict[int, torch.dtype] = {
     12: torch.float8_e5m2,
 }
 _CODES: dict[torch.dtype, int] = {v: k for k, v in _DTYPES.items()}
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float16,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+_SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
 Buffer = bytes | bytearray | memoryview
 Chunks = Sequence[Buffer]
@@ -101,8 +115,11 @@ class FrameHeader:
 
 def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
     """A flat uint8 memoryview over a contiguous CPU tensor's storage (no copy)."""
-    flat = tensor.reshape(-1).view(torch.uint8)
-    array: Any = flat.numpy()  # numpy arrays export the buffer protocol; its stubs do not say so
+    # numpy arrays export the buffer protocol (their stubs do not say so). Going through numpy directly is
+    # ~3x cheaper than reshape/view first, which only the dtypes numpy lacks (bfloat16, float8) need.
+    array: Any = (
+        tensor.numpy() if tensor.dtype in _NUMPY_DTYPES else tensor.reshape(-1).view(torch.uint8).numpy()
+    )
     return memoryview(array).cast("B")
 
 
@@ -124,8 +141,8 @@ def _header_prefix(dtype: torch.dtype, shape: Sequence[int], payload_len: int) -
         raise FrameMismatch(f"dtype {dtype} cannot be encoded (supported: {sorted(map(str, _CODES))})")
     if len(shape) > MAX_NDIM:
         raise FrameMismatch(f"tensor has {len(shape)} dims; at most {MAX_NDIM} can be encoded")
-    return _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), 0, payload_len) + b"".join(
-        _U64.pack(d) for d in shape
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), 0, payload_len) + _SHAPES[len(shape)].pack(
+        *shape
     )
 
 
@@ -146,8 +163,7 @@ def encode_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview]:
     t = t.contiguous()
     payload = _as_bytes_view(t)
     prefix = _header_prefix(t.dtype, tuple(t.shape), payload.nbytes)
-    h = xxhash.xxh3_64()
-    h.update(prefix)
+    h = xxhash.xxh3_64(prefix)
     h.update(payload)
     return prefix + _U64.pack(h.intdigest()), payload
 
@@ -200,11 +216,13 @@ def _as_chunks(data: Buffer | Chunks) -> Chunks:
     return data
 
 
-def _parse_fixed_and_shape(cursor: _ChunkCursor, max_payload: int) -> FrameHeader:
-    fixed = cursor.read_small(_FIXED.size)
-    magic, version, code, ndim, flags, length = _FIXED.unpack(fixed)
+def _parse_head(head: Buffer, max_payload: int) -> FrameHeader:
+    """Parse and validate a header from ``head`` (at least the header's bytes; the payload may follow)."""
+    if len(head) < _FIXED.size:
+        raise FrameTruncated(f"frame truncated: {len(head)} bytes, a header needs at least {_FIXED.size + 8}")
+    magic, version, code, ndim, flags, length = _FIXED.unpack_from(head)
     if magic != MAGIC:
-        raise FrameCorrupt(f"not an asyncconn frame (magic {magic!r})")
+        raise FrameCorrupt(f"not an asyncconn frame (magic {bytes(magic)!r})")
     if version != FORMAT_VERSION:
         raise FrameVersionError(f"frame format version {version}; this build reads {FORMAT_VERSION}")
     if flags != 0:
@@ -216,48 +234,64 @@ def _parse_fixed_and_shape(cursor: _ChunkCursor, max_payload: int) -> FrameHeade
         raise FrameCorrupt(f"frame declares {ndim} dims (max {MAX_NDIM})")
     if length > max_payload:
         raise FrameTooLarge(f"frame declares {length} payload bytes, over the cap of {max_payload}")
-    shape_bytes = cursor.read_small(8 * ndim)
-    shape = tuple(_U64.unpack_from(shape_bytes, 8 * i)[0] for i in range(ndim))
+    header_len = header_size(ndim)
+    if len(head) < header_len:
+        raise FrameTruncated(f"frame truncated: {len(head)} bytes, its header needs {header_len}")
+    shape = _SHAPES[ndim].unpack_from(head, _FIXED.size)
     numel = 1
     for d in shape:
         numel *= d
     if numel * dtype.itemsize != length:
         raise FrameCorrupt(f"frame shape {shape} x {dtype} does not match its payload length {length}")
-    (checksum,) = _U64.unpack(cursor.read_small(8))
-    return FrameHeader(dtype, shape, length, checksum, header_size(ndim))
+    (checksum,) = _U64.unpack_from(head, header_len - 8)
+    return FrameHeader(dtype, shape, length, checksum, header_len)
 
 
-def _read_header(cursor: _ChunkCursor, max_payload: int) -> tuple[FrameHeader, bytes]:
-    header = _parse_fixed_and_shape(cursor, max_payload)
+def _check_total(header: FrameHeader, total: int) -> None:
     expected = header.frame_len
-    if cursor.total != expected:
-        if cursor.total < expected:
-            raise FrameTruncated(f"frame truncated: {cursor.total} bytes, header promises {expected}")
-        raise FrameCorrupt(f"frame has {cursor.total - expected} trailing bytes")
-    return header, _header_prefix_of(header)
+    if total != expected:
+        if total < expected:
+            raise FrameTruncated(f"frame truncated: {total} bytes, header promises {expected}")
+        raise FrameCorrupt(f"frame has {total - expected} trailing bytes")
 
 
-def _header_prefix_of(header: FrameHeader) -> bytes:
-    """The checksummed header bytes (everything before the checksum field), rebuilt from a parsed header."""
-    return _FIXED.pack(
-        MAGIC, FORMAT_VERSION, _CODES[header.dtype], len(header.shape), 0, header.payload_len
-    ) + b"".join(_U64.pack(d) for d in header.shape)
+def _cursor_head(cursor: _ChunkCursor) -> bytes:
+    """Copy a header out of a chunked value (small; the payload is never copied here)."""
+    fixed = cursor.read_small(_FIXED.size)
+    ndim = fixed[6]
+    if ndim > MAX_NDIM:
+        return fixed  # _parse_head reports it
+    return fixed + cursor.read_small(8 * ndim + 8)
 
 
 def parse_header(data: Buffer | Chunks, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> FrameHeader:
     """Validate a whole frame's header and length (not the checksum) and return what it declares."""
-    header, _ = _read_header(_ChunkCursor(_as_chunks(data)), max_payload)
+    cursor = _ChunkCursor(_as_chunks(data))
+    header = _parse_head(_cursor_head(cursor), max_payload)
+    _check_total(header, cursor.total)
     return header
 
 
 def _verified_payload(data: Buffer | Chunks, max_payload: int) -> tuple[FrameHeader, list[memoryview]]:
-    cursor = _ChunkCursor(_as_chunks(data))
-    header, prefix = _read_header(cursor, max_payload)
-    views = cursor.views(header.payload_len)
-    h = xxhash.xxh3_64()
-    h.update(prefix)
-    for view in views:
-        h.update(view)
+    single = data if isinstance(data, (bytes, bytearray, memoryview)) else data[0] if len(data) == 1 else None
+    if single is not None:  # the common case: no cursor, no header copy
+        view = memoryview(single)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        header = _parse_head(view, max_payload)
+        _check_total(header, view.nbytes)
+        prefix: Buffer = view[: header.header_len - 8]
+        views = [view[header.header_len :]]
+    else:
+        cursor = _ChunkCursor(data)
+        head = _cursor_head(cursor)
+        header = _parse_head(head, max_payload)
+        _check_total(header, cursor.total)
+        prefix = head[:-8]
+        views = cursor.views(header.payload_len)
+    h = xxhash.xxh3_64(prefix)
+    for v in views:
+        h.update(v)
     if h.intdigest() != header.checksum:
         raise FrameCorrupt("frame checksum mismatch (corrupted payload or header)")
     return header, views
@@ -335,8 +369,7 @@ class FrameVerifier:
                 piece = piece[take.nbytes :]
             if len(self._head) < self._header_len():
                 return
-            cursor = _ChunkCursor((bytes(self._head),))
-            self._header = _parse_fixed_and_shape(cursor, self._max_payload)
+            self._header = _parse_head(self._head, self._max_payload)
             self._hash.update(memoryview(self._head)[:-8])
         if piece.nbytes:
             self._hash.update(piece)
