@@ -283,7 +283,7 @@ def _verified_payload(data: Buffer | Chunks, max_payload: int) -> tuple[FrameHea
         prefix: Buffer = view[: header.header_len - 8]
         views = [view[header.header_len :]]
     else:
-        cursor = _ChunkCursor(data)
+        cursor = _ChunkCursor(_as_chunks(data))
         head = _cursor_head(cursor)
         header = _parse_head(head, max_payload)
         _check_total(header, cursor.total)
