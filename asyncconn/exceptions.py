@@ -25,7 +25,8 @@ boundary where they enter, so callers -- vLLM adapters above all -- only ever ne
     ├── TransferError               a transfer engine (loader, save tracker, pinned pool) refused a request
     │   ├── PoolTooSmall            a buffer larger than the whole pinned pool was asked for
     │   └── DuplicateTransfer       a key already in flight in the same loader was submitted again
-    └── LookupProtocolError         a lookup message that breaks the wire format (bad frames, sizes, keys)
+    ├── LookupProtocolError         a lookup message that breaks the wire format (bad frames, sizes, keys)
+    └── SimulationError             the offline vLLM engine simulator was given input vLLM would reject
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = [
     "PoolTooSmall",
     "DuplicateTransfer",
     "LookupProtocolError",
+    "SimulationError",
 ]
 
 
@@ -132,3 +134,7 @@ class DuplicateTransfer(TransferError):
 
 class LookupProtocolError(AsyncConnError):
     """A lookup request or reply breaks the wire format (frame count, field sizes, key encoding, caps)."""
+
+
+class SimulationError(AsyncConnError):
+    """The offline engine simulator (``asyncconn.vllm.sim``) was driven into a state vLLM would reject."""

@@ -15,7 +15,21 @@ __all__ = ["LATENCY_BUCKETS_MS", "LookupMetrics"]
 
 #: Upper bounds (ms) of the latency buckets; a final bucket catches everything slower.
 LATENCY_BUCKETS_MS: tuple[float, ...] = (
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    25.0,
+    50.0,
+    100.0,
+    250.0,
+    500.0,
+    1000.0,
+    2500.0,
+    5000.0,
 )
 _BOUNDS_S = tuple(b / 1000.0 for b in LATENCY_BUCKETS_MS)
 
@@ -63,7 +77,7 @@ class LookupMetrics:
         self.latency_buckets[bisect.bisect_left(_BOUNDS_S, seconds)] += 1
 
     def snapshot(self) -> dict[str, int | list[int]]:
-        """Totals since the client was built; ``latency_buckets[i]`` counts lookups <= LATENCY_BUCKETS_MS[i]."""
+        """Totals since start; ``latency_buckets[i]`` counts lookups <= ``LATENCY_BUCKETS_MS[i]``."""
         out: dict[str, int | list[int]] = {name: getattr(self, name) for name in _COUNTERS}
         out["latency_buckets"] = list(self.latency_buckets)
         return out

@@ -1,4 +1,4 @@
-"""The lookup wire format: vLLM's Mooncake store lookup framing, plus a pipelined envelope and two query kinds.
+"""The lookup wire format: vLLM's Mooncake store lookup framing, a pipelined envelope, two query kinds.
 
 Every message is a ZMQ multipart message. A plain REQ client (vLLM's Mooncake store client, unchanged)
 sends a *body*; a pipelined DEALER client sends the same body behind an empty delimiter and one id frame,
@@ -13,13 +13,14 @@ Bodies (integers big-endian):
 tag        fields                                               reply
 ========== ==================================================== =======================================
 ``lookup`` u32 token count, u16 hash size, hashes concatenated  u32 hit tokens (Mooncake framing)
-``reset``  (none)                                               ``b"\\x01"`` ok
+``reset``  (none)                                               ``b"\\x01"`` wiped / ``ERROR`` not
 ``prefix`` 1-byte key encoding, u16 key size, keys              u32 number of leading keys present
-``exists`` 1-byte key encoding, u16 key size, keys              one byte (0/1) per key, in key order
+``exists`` 1-byte key encoding, u16 key size, keys              ``b"\\x01"`` + one byte (0/1) per key
 ========== ==================================================== =======================================
 
 Any malformed or oversized body, an unknown tag, or a store failure is answered with ``ERROR``
-(``b"\\x00"``): one byte, which no valid ``lookup``/``prefix`` reply (4 bytes) can be confused with.
+(``b"\\x00"``): one byte, which no valid reply can be confused with (``lookup``/``prefix`` replies are 4
+bytes, ``exists`` replies start with ``b"\\x01"``).
 
 Keys. ``lookup`` hashes are raw bytes (vLLM block hashes). ``prefix``/``exists`` keys are bytes
 (encoding ``b"x"``) or UTF-8 text such as multimodal hashes (encoding ``b"t"``). A key size of 0 means the
@@ -48,9 +49,11 @@ __all__ = [
     "Key",
     "Kind",
     "Query",
+    "decode_u32",
     "encode_id",
     "encode_mooncake_lookup",
     "encode_query",
+    "encode_u32",
     "pack_keys",
     "parse_body",
     "parse_id",
@@ -101,7 +104,7 @@ class Query:
 
 
 def store_key(prefix: str, key: Key) -> str:
-    """The store key a lookup key names: ``prefix + hex`` for bytes (block hashes), ``prefix + key`` for text."""
+    """The store key of a lookup key: ``prefix + hex`` for bytes (block hashes), ``prefix + key`` for text."""
     if isinstance(key, str):
         return prefix + key
     return prefix + key.hex()

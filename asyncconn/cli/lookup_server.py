@@ -1,0 +1,88 @@
+"""``asyncconn lookup-server``: serve Mooncake-framed and pipelined lookups from a store over ZMQ.
+
+Runs the server on its own asyncio loop (uvloop when installed) in the foreground until SIGINT/SIGTERM.
+It prints ``listening on ENDPOINT`` on stdout once bound, so scripts (and ``bench lookup``) can wait for
+it. Exit codes: 0 after a clean stop, 2 for a bad URL/endpoint or an unreachable store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from asyncconn.exceptions import AsyncConnError
+from asyncconn.lookup.protocol import DEFAULT_MAX_KEYS
+from asyncconn.lookup.server import DEFAULT_BIND, LookupServer
+from asyncconn.store import TensorStore
+from asyncconn.url import parse_duration, parse_size, redact
+
+__all__ = ["add_arguments", "run", "serve"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", required=True, help="store URL, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--bind", default=DEFAULT_BIND, help=f"ZMQ endpoint (default {DEFAULT_BIND}; ipc://PATH is made 0600)"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="the engine's KV block size in tokens")
+    parser.add_argument("--key-prefix", default="", help="store key = prefix + hex(hash)")
+    parser.add_argument("--max-keys", type=int, default=DEFAULT_MAX_KEYS, help="keys accepted per request")
+    parser.add_argument("--max-message", default="16MiB", help="frames larger than this drop the peer")
+    parser.add_argument("--timeout", default="5s", help="store call timeout")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Open the store, bind, serve until a signal; the store and socket are closed on every path."""
+    try:
+        store = await TensorStore.open(args.backend, timeout=parse_duration(args.timeout))
+    except (AsyncConnError, ValueError) as exc:
+        print(f"asyncconn lookup-server: cannot open {redact(args.backend)}: {exc}", file=sys.stderr)
+        return 2
+    server = LookupServer(
+        store,
+        args.bind,
+        block_size=args.block_size,
+        key_prefix=args.key_prefix,
+        max_keys=args.max_keys,
+        max_message=parse_size(args.max_message),
+    )
+    try:
+        try:
+            endpoint = await server.start()
+        except AsyncConnError as exc:
+            print(f"asyncconn lookup-server: {exc}", file=sys.stderr)
+            return 2
+        print(f"listening on {endpoint}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        return 0
+    finally:
+        await server.close()
+        await store.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        code: int = _runner()(serve(args))
+    except ValueError as exc:
+        print(f"asyncconn lookup-server: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+def _runner() -> Callable[[Coroutine[Any, Any, int]], int]:
+    """``uvloop.run`` when uvloop is installed (faster socket handling), else ``asyncio.run``."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run

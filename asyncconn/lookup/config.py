@@ -1,0 +1,81 @@
+"""Lookup settings and the one function that turns them into a client with the right transport.
+
+The transport is configuration, not code: ``backend_url`` alone -> the client queries the store itself
+(:class:`DirectTransport`); ``lookup_server`` set -> it asks a ZMQ lookup server (:class:`ZmqTransport`),
+which is how several vLLM instances share one answer point and how a store without a Python client is
+reached. Both set is allowed (the server wins for lookups; ``backend_url`` stays for loads and saves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from asyncconn.exceptions import ConfigError
+from asyncconn.lookup.client import DEFAULT_TIMEOUT, LookupClient, Mode
+from asyncconn.lookup.transports import DirectTransport, LookupTransport, ZmqTransport
+from asyncconn.runtime import Runtime
+from asyncconn.url import parse_duration
+
+__all__ = ["LookupConfig", "open_lookup_client"]
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """Every lookup option (documented in docs/fragments/lookup.md)."""
+
+    backend_url: str | None = None
+    lookup_server: str | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    key_prefix: str = ""
+    max_pending: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not self.backend_url and not self.lookup_server:
+            raise ConfigError("lookup: set backend_url (direct lookups) or lookup_server (a ZMQ endpoint)")
+        if self.timeout <= 0:
+            raise ConfigError(f"lookup: bad value {self.timeout!r} for 'lookup_timeout': must be > 0")
+        if self.max_pending <= 0:
+            raise ConfigError(f"lookup: bad value {self.max_pending!r} for 'lookup_max_pending': must be > 0")
+
+    @classmethod
+    def from_mapping(cls, extra: Mapping[str, Any]) -> LookupConfig:
+        """Read ``backend_url``, ``lookup_server``, ``lookup_timeout`` ("3s", "500ms" or seconds),
+        ``key_prefix`` and ``lookup_max_pending`` from a connector's extra_config; other keys are ignored."""
+        kwargs: dict[str, Any] = {}
+        for name, key in (
+            ("backend_url", "backend_url"),
+            ("lookup_server", "lookup_server"),
+            ("key_prefix", "key_prefix"),
+        ):
+            if extra.get(key) is not None:
+                kwargs[name] = str(extra[key])
+        try:
+            if "lookup_timeout" in extra:
+                kwargs["timeout"] = parse_duration(extra["lookup_timeout"])
+            if "lookup_max_pending" in extra:
+                kwargs["max_pending"] = int(extra["lookup_max_pending"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"lookup: bad lookup_timeout/lookup_max_pending: {exc}") from None
+        return cls(**kwargs)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def transport(self) -> LookupTransport:
+        if self.lookup_server:
+            return ZmqTransport(self.lookup_server)
+        assert self.backend_url is not None
+        return DirectTransport(self.backend_url, key_prefix=self.key_prefix, timeout=self.timeout)
+
+
+def open_lookup_client(
+    config: LookupConfig, mode: Mode[R], *, runtime: Runtime | None = None
+) -> LookupClient[R]:
+    """A started client for ``mode`` (``PREFIX`` for KV, ``EXISTS`` for EC) with the configured transport."""
+    return LookupClient(
+        config.transport(), mode, runtime=runtime, timeout=config.timeout, max_pending=config.max_pending
+    )

@@ -1,0 +1,104 @@
+"""``asyncconn lookup-server`` and ``asyncconn bench lookup`` as a user runs them (real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import zmq
+
+from asyncconn.lookup.protocol import encode_mooncake_lookup
+
+
+def test_lookup_server_serves_and_stops_cleanly() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncconn",
+            "lookup-server",
+            "--backend",
+            "memory://cli",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--block-size",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("listening on tcp://127.0.0.1:")
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(line.split()[-1])
+        sock.send_multipart(encode_mooncake_lookup(16, [b"a" * 32, b"b" * 32]))
+        assert sock.recv() == b"\x00\x00\x00\x00"  # empty store: no hit
+        sock.send_multipart([b"reset"])
+        assert sock.recv() == b"\x00"  # no wipe: refused, never a false "ok"
+        sock.close(0)
+        ctx.term()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_lookup_server_bad_backend_exits_2() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncconn", "lookup-server", "--backend", "nosuch://x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "nosuch" in done.stderr
+
+
+def test_bench_lookup_json_smoke() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncconn",
+            "bench",
+            "lookup",
+            "--json",
+            "--rounds",
+            "2",
+            "--steps",
+            "3",
+            "--blocking-steps",
+            "1",
+            "--waiting",
+            "16",
+            "--duration",
+            "0.2",
+            "--throughput-rounds",
+            "1",
+            "--outstanding",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["caller"]["submit"]["n"] == 32
+    assert result["scheduler"]["async"]["admitted"] > 0
+    assert result["throughput"]["pipelined_lookups_per_s"] > 0 and result["throughput"]["ratio"] > 0
+    assert result["memory"]["counts_after_discard"] == {
+        "entries": 0,
+        "queued": 0,
+        "inflight": 0,
+        "transport": 0,
+    }
