@@ -1,0 +1,115 @@
+"""How one value is laid out in Redis keys: inline, or chunks plus a manifest. Pure logic, no I/O.
+
+A value of at most ``chunk_size`` bytes is stored inline under its key. A larger one is cut into chunks
+written under versioned keys ``<prefix>{<key>}:<version>:<i>``, and the key itself is then set to a small
+:class:`Manifest` naming that version. Versions are random, so a chunk key is written once and never
+changes: a reader that follows a manifest either finds exactly the chunks that manifest describes or finds
+some missing (replaced or evicted), and then reports a miss -- it can never assemble a torn value.
+
+The braces make ``key`` the Redis Cluster hash tag of the manifest and of every chunk, so a later cluster
+backend keeps one value's keys on one slot. Chunks follow the caller's parts (a frame's header and payload
+are never joined), so the put path sends memoryviews of the tensor itself and copies nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from asyncconn.backend import Value
+
+__all__ = ["MANIFEST_MAGIC", "Manifest", "chunk_keys", "main_key", "new_version", "split_value"]
+
+#: Starts with a NUL so no frame (b"ACNF...") and no text value can be mistaken for a manifest.
+MANIFEST_MAGIC = b"\x00ACM"
+_LAYOUT_VERSION = 1
+# magic, layout version, reserved, version id, chunk count, total bytes, xxh3 of everything before it
+_MANIFEST = struct.Struct("<4sBB2x8sIQ")
+_CHECK = struct.Struct("<Q")
+MANIFEST_SIZE = _MANIFEST.size + _CHECK.size
+#: More chunks than any sane chunk size gives; a manifest claiming more is not ours (or is hostile).
+MAX_CHUNKS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What the key of a chunked value holds: which version of chunks to read, and how much of it."""
+
+    version: bytes
+    count: int
+    total: int
+
+    def pack(self) -> bytes:
+        body = _MANIFEST.pack(MANIFEST_MAGIC, _LAYOUT_VERSION, 0, self.version, self.count, self.total)
+        return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+    @classmethod
+    def parse(cls, data: bytes) -> Manifest | None:
+        """The manifest ``data`` encodes, or ``None`` when it is anything else (an inline value).
+
+        A value that starts with the magic but fails the length or check is not a manifest either: it is
+        handed up as an inline value and the frame codec rejects it, so it is counted as corrupt.
+        """
+        if len(data) != MANIFEST_SIZE or not data.startswith(MANIFEST_MAGIC):
+            return None
+        body = data[: _MANIFEST.size]
+        (check,) = _CHECK.unpack_from(data, _MANIFEST.size)
+        if xxhash.xxh3_64_intdigest(body) != check:
+            return None
+        _, layout, _, version, count, total = _MANIFEST.unpack(body)
+        if layout != _LAYOUT_VERSION or not 0 < count <= min(total, MAX_CHUNKS):
+            return None
+        return cls(version, count, total)
+
+
+def new_version() -> bytes:
+    """A random chunk-set id: two writers never share one, so chunk keys are write-once."""
+    return os.urandom(8)
+
+
+def main_key(prefix: str, key: str) -> str:
+    """The key holding the inline value or the manifest."""
+    return f"{prefix}{{{key}}}"
+
+
+def chunk_keys(prefix: str, key: str, manifest: Manifest) -> list[str]:
+    """Every chunk key a manifest names, in order."""
+    base = f"{prefix}{{{key}}}:{manifest.version.hex()}:"
+    return [f"{base}{i}" for i in range(manifest.count)]
+
+
+def _parts(value: Value) -> list[memoryview]:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return [memoryview(value).cast("B")]
+    return [memoryview(v).cast("B") for v in value]
+
+
+def split_value(
+    value: Value, chunk_size: int
+) -> tuple[memoryview | bytes, None] | tuple[None, list[memoryview]]:
+    """``(inline, None)`` for a value that fits one key, else ``(None, chunks)``.
+
+    An inline value given in several parts is joined (a copy bounded by ``chunk_size``); a larger value is
+    cut along its parts' boundaries and then every ``chunk_size`` bytes, as zero-copy views.
+    """
+    parts = [p for p in _parts(value) if p.nbytes]
+    total = sum(p.nbytes for p in parts)
+    if total <= chunk_size:
+        if len(parts) == 1:
+            return parts[0], None
+        return b"".join(parts), None
+    chunks: list[memoryview] = []
+    for part in parts:
+        for offset in range(0, part.nbytes, chunk_size):
+            chunks.append(part[offset : offset + chunk_size])
+    return None, chunks
+
+
+def chunks_complete(chunks: Sequence[bytes | bytearray | None], manifest: Manifest) -> bool:
+    """True when every chunk is present and together they are exactly the manifest's length."""
+    present = [c for c in chunks if c is not None]
+    return len(present) == len(chunks) and sum(map(len, present)) == manifest.total

@@ -1,0 +1,312 @@
+"""The chunk read fast path: ``MGET`` over raw connections whose bulk replies land in their final buffers.
+
+Why it exists: through redis-py and hiredis every payload byte is copied six times on its way from the
+socket to a ``bytes`` chunk (event loop read buffer -> ``bytes`` -> StreamReader buffer -> ``bytes`` ->
+hiredis buffer -> reply ``bytes``), which held 4 MiB reads at ~0.6x of ``redis-benchmark``. Here a
+:class:`asyncio.BufferedProtocol` hands the kernel the chunk's own ``bytearray`` once the ``$<len>`` line
+is parsed, so the payload is copied once (kernel -> chunk), plus once more into the destination tensor.
+
+Scope is deliberately tiny: RESP2 replies to ``AUTH``, ``SELECT`` and ``MGET`` only, on plain TCP or unix
+sockets (``rediss://`` stays on redis-py). Every other command, and every write, goes through redis-py.
+Nothing read is evaluated; a declared bulk length above the caller's cap (the manifest's total) is a
+protocol error, so a hostile server cannot make us allocate more than the value we asked for.
+
+Ownership: a connection is either idle in :class:`ChunkReader` or lent to exactly one request. A request
+that fails or is cancelled closes its connection (a half-read reply cannot be resumed) instead of
+returning it; :meth:`ChunkReader.close` closes the idle ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+from asyncconn.exceptions import BackendError, BackendUnavailable
+
+__all__ = ["ChunkReader", "ReplyError"]
+
+_LINE_BUFFER = 64 * 1024
+Reply = bytearray | bytes | int | None
+
+
+class ReplyError(BackendError):
+    """The server answered a command with an error reply (``-ERR ...``)."""
+
+
+class _ProtocolError(BackendError):
+    pass
+
+
+class _RespProtocol(asyncio.BufferedProtocol):
+    """Parses RESP2 replies; bulk strings are received straight into their own ``bytearray``."""
+
+    def __init__(self) -> None:
+        self._line = bytearray(_LINE_BUFFER)
+        self._view = memoryview(self._line)
+        self._fill = 0
+        self._dest: memoryview | None = None
+        self._dest_fill = 0
+        self._skip = 0  # the CRLF after a bulk string still to come
+        self._waiter: asyncio.Future[list[Reply]] | None = None
+        self._replies: list[Reply] = []
+        self._tops_left = 0
+        self._array_left = 0
+        self._max_bulk = 0
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+
+    # -- requests ------------------------------------------------------------------------------------
+    def request(self, payload: bytes, replies: int, max_bulk: int) -> asyncio.Future[list[Reply]]:
+        """Send ``payload`` and return a future for ``replies`` top-level replies (arrays flattened)."""
+        assert self.transport is not None and self._waiter is None
+        waiter: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
+        if self.lost:
+            waiter.set_exception(BackendUnavailable("connection closed by the server"))
+            return waiter
+        self._waiter, self._replies, self._tops_left, self._max_bulk = waiter, [], replies, max_bulk
+        self.transport.write(payload)
+        return waiter
+
+    def done(self) -> None:
+        self._waiter = None
+
+    # -- transport callbacks -------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._fail(BackendUnavailable(f"connection lost: {exc or 'closed by the server'}"))
+
+    def eof_received(self) -> bool:
+        return False
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._dest is not None:
+            return self._dest[self._dest_fill :]
+        if self._fill == len(self._line):
+            self._abort(_ProtocolError("reply line longer than 64 KiB"))
+            return self._view  # the transport is closing; the bytes are discarded
+        return self._view[self._fill :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.lost:  # aborted: whatever still arrives is discarded
+            self._fill = 0
+            return
+        if self._dest is not None:
+            self._dest_fill += nbytes
+            if self._dest_fill == len(self._dest):
+                self._dest, self._skip = None, 2
+            return
+        self._fill += nbytes
+        try:
+            self._parse()
+        except (ValueError, _ProtocolError) as exc:
+            self._abort(exc if isinstance(exc, _ProtocolError) else _ProtocolError(f"bad reply: {exc}"))
+
+    # -- parsing -------------------------------------------------------------------------------------
+    def _parse(self) -> None:
+        line, view, pos = self._line, self._view, 0
+        while True:
+            if self._skip:
+                take = min(self._skip, self._fill - pos)
+                if line[pos : pos + take] != b"\r\n"[2 - self._skip : 2 - self._skip + take]:
+                    raise _ProtocolError("bulk string not followed by CRLF")
+                pos += take
+                self._skip -= take
+                if self._skip:
+                    break
+                self._item_done()
+            end = line.find(b"\r\n", pos, self._fill)
+            if end < 0:
+                break
+            kind, body = line[pos], bytes(view[pos + 1 : end])
+            pos = end + 2
+            if self._waiter is None:
+                raise _ProtocolError("reply with no request")
+            if kind == 0x2A:  # '*'
+                count = int(body)
+                if count <= 0:  # nil or empty array: no items follow
+                    if count < 0:
+                        self._replies.append(None)
+                    self._top_done()
+                else:
+                    self._array_left = count
+            elif kind == 0x24:  # '$'
+                length = int(body)
+                if length < 0:
+                    self._replies.append(None)
+                    self._item_done()
+                    continue
+                if length > self._max_bulk:
+                    raise _ProtocolError(f"bulk reply of {length} bytes, over the {self._max_bulk} expected")
+                chunk = bytearray(length)
+                have = min(length, self._fill - pos)
+                chunk[:have] = view[pos : pos + have]
+                pos += have
+                self._replies.append(chunk)
+                if have < length:
+                    self._dest, self._dest_fill = memoryview(chunk), have
+                    break
+                self._skip = 2
+            elif kind == 0x2B:  # '+'
+                self._replies.append(body)
+                self._item_done()
+            elif kind == 0x3A:  # ':'
+                self._replies.append(int(body))
+                self._item_done()
+            elif kind == 0x2D:  # '-'
+                self._replies.append(None)
+                self._fail(ReplyError(body.decode("utf-8", "replace")))
+                self._item_done()
+            else:
+                raise _ProtocolError(f"unknown reply type {chr(kind)!r}")
+        rest = self._fill - pos
+        if rest and pos:
+            line[:rest] = view[pos : self._fill]
+        self._fill = rest
+
+    def _item_done(self) -> None:
+        if self._array_left:
+            self._array_left -= 1
+            if self._array_left:
+                return
+        self._top_done()
+
+    def _top_done(self) -> None:
+        self._tops_left -= 1
+        if self._tops_left == 0 and self._waiter is not None:
+            if not self._waiter.done():
+                self._waiter.set_result(self._replies)
+            self._waiter = None
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(exc)
+
+    def _abort(self, exc: BaseException) -> None:
+        self._fail(exc)
+        self._waiter = None
+        self.lost = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _command(*args: bytes) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(out)
+
+
+class ChunkReader:
+    """A small pool of raw connections that only ever run ``MGET``; see the module docstring."""
+
+    def __init__(
+        self,
+        connect: Callable[[Callable[[], _RespProtocol]], Any],
+        *,
+        username: str | None,
+        password: str | None,
+        db: int,
+        max_connections: int,
+    ) -> None:
+        self._connect = connect
+        self._handshake: list[bytes] = []
+        if password is not None:
+            auth = [username.encode(), password.encode()] if username else [password.encode()]
+            self._handshake.append(_command(b"AUTH", *auth))
+        if db:
+            self._handshake.append(_command(b"SELECT", str(db).encode()))
+        self._idle: list[_RespProtocol] = []
+        self._in_use: set[_RespProtocol] = set()
+        self._slots = asyncio.Semaphore(max_connections)
+        self._closed = False
+
+    async def _open(self) -> _RespProtocol:
+        _, proto = await self._connect(_RespProtocol)
+        assert isinstance(proto, _RespProtocol)
+        if self._handshake:
+            try:
+                fut = proto.request(b"".join(self._handshake), len(self._handshake), 0)
+                try:
+                    await fut
+                finally:
+                    proto.done()
+            except ReplyError as exc:
+                _close(proto)
+                if str(exc).startswith(("WRONGPASS", "NOAUTH", "NOPERM")):
+                    raise BackendUnavailable(f"authentication failed ({exc})") from None
+                raise
+            except BaseException:
+                _close(proto)
+                raise
+        return proto
+
+    async def mget(self, names: Sequence[str], max_bulk: int) -> list[bytes | bytearray | None]:
+        """``MGET names``; each present value is a fresh ``bytearray`` of at most ``max_bulk`` bytes."""
+        if self._closed:
+            raise BackendUnavailable("chunk reader is closed")
+        payload = _command(b"MGET", *(n.encode() for n in names))
+        async with self._slots:
+            reused = bool(self._idle)
+            try:
+                return await self._mget_on(await self._take(), payload, max_bulk)
+            except BackendUnavailable:
+                if not reused:
+                    raise
+                # An idle connection can be dead (the server restarted). MGET is idempotent: once more,
+                # on a connection opened now.
+                return await self._mget_on(await self._open_lent(), payload, max_bulk)
+
+    async def _take(self) -> _RespProtocol:
+        while self._idle:
+            proto = self._idle.pop()
+            if not proto.lost:
+                self._in_use.add(proto)
+                return proto
+            _close(proto)
+        return await self._open_lent()
+
+    async def _open_lent(self) -> _RespProtocol:
+        proto = await self._open()
+        self._in_use.add(proto)
+        return proto
+
+    async def _mget_on(
+        self, proto: _RespProtocol, payload: bytes, max_bulk: int
+    ) -> list[bytes | bytearray | None]:
+        ok = False
+        try:
+            fut = proto.request(payload, 1, max_bulk)
+            try:
+                replies = await fut
+            finally:
+                proto.done()
+            ok = True
+        finally:
+            self._in_use.discard(proto)
+            if ok and not self._closed and not proto.lost:
+                self._idle.append(proto)
+            else:
+                _close(proto)
+        return [r if isinstance(r, bytearray) else None for r in replies]
+
+    async def close(self) -> None:
+        self._closed = True
+        for proto in [*self._idle, *self._in_use]:
+            _close(proto)
+        self._idle.clear()
+
+    def counts(self) -> tuple[int, int]:
+        """``(connected, in_use)``, as for the redis-py pool."""
+        every = [*self._idle, *self._in_use]
+        return sum(not p.lost for p in every), len(self._in_use)
+
+
+def _close(proto: _RespProtocol) -> None:
+    proto.lost = True
+    if proto.transport is not None:
+        proto.transport.abort()

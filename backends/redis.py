@@ -1,0 +1,420 @@
+"""``redis://``, ``rediss://`` (TLS) and ``unix://`` stores on redis-py's asyncio client (hiredis parser).
+
+URLs::
+
+    redis://[[user]:password@]host[:port][/db][?prefix=vllm:&ttl=1h&chunk_size=1MiB&timeout=2s]
+    rediss://host:6380/0?tls_ca=/etc/ca.pem[&tls_cert=...&tls_key=...&tls_check_hostname=false]
+    unix:///run/redis.sock?db=0
+
+Layout (see :mod:`backends._redis_layout`): small values inline under the key; large ones as write-once
+versioned chunks plus a manifest set last, inside one MULTI/EXEC with ``SET ... GET`` so the writer learns
+which version it replaced and deletes exactly those chunks. Readers follow the manifest, retry once when a
+chunk has gone (a newer write or an eviction), and otherwise report a miss -- never a torn value.
+
+Speed: the put path hands redis-py memoryviews of the tensor, which it sends without joining them. The get
+path fetches one value's chunks over up to ``parallel`` connections at once, on plain TCP and unix sockets
+through :class:`backends._redis_reader.ChunkReader`, which receives each chunk straight into its own buffer
+(redis-py and hiredis copy every byte six times before the codec's copy; measured in docs/fragments/redis.md).
+Every call is bounded by ``timeout``; redis-py's errors are translated here, in :meth:`RedisBackend._guard`,
+and never carry the password.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from redis.asyncio.connection import (
+    BlockingConnectionPool,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+)
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from asyncconn.backend import Buffer, StorageBackend, Value
+from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigError
+from asyncconn.url import Param, StoreURL, redact
+from backends._redis_layout import Manifest, chunk_keys, chunks_complete, main_key, new_version, split_value
+from backends._redis_reader import ChunkReader
+
+__all__ = ["RedisBackend"]
+
+T = TypeVar("T")
+
+DEFAULT_PORT = 6379
+#: Writes want few large chunks, reads several to fetch in parallel: 1 MiB was the best compromise
+#: measured for 4 and 16 MiB values (docs/fragments/redis.md).
+DEFAULT_CHUNK_SIZE = 1 << 20
+_TLS_PARAMS = ("tls_ca", "tls_cert", "tls_key", "tls_check_hostname")
+
+
+def _db_number(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+class RedisBackend(StorageBackend):
+    """A redis-py connection pool behind the batch contract; one instance per store URL, used on one loop."""
+
+    params: ClassVar[dict[str, Param]] = {
+        "prefix": Param.text("", "prepended to every key (isolates tenants or models in one database)"),
+        "ttl": Param.duration(0.0, "expiry of everything written (0: never expires)"),
+        "chunk_size": Param.size(DEFAULT_CHUNK_SIZE, "values above this are split into chunks of this size"),
+        "parallel": Param.count(4, "connections one value's chunks are fetched over at once"),
+        "max_connections": Param.count(16, "pool size; callers wait for a free connection"),
+        "timeout": Param.duration(5.0, "bound on every call, connecting included"),
+        "db": Param(_db_number, None, "database number (unix:// URLs; redis:// may give it as the path)"),
+        "check": Param.boolean(True, "PING when opening, so a wrong address or password fails at once"),
+        "fast_read": Param.boolean(
+            True, "read chunks over raw sockets straight into their buffers (not TLS)"
+        ),
+        "tls_ca": Param.text(None, "rediss://: CA bundle that signed the server certificate"),
+        "tls_cert": Param.text(None, "rediss://: client certificate (mutual TLS)"),
+        "tls_key": Param.text(None, "rediss://: client private key (mutual TLS)"),
+        "tls_check_hostname": Param.boolean(True, "rediss://: check the certificate names the host"),
+    }
+
+    def __init__(
+        self,
+        pool: BlockingConnectionPool,
+        *,
+        name: str,
+        password: str | None = None,
+        prefix: str = "",
+        ttl: float = 0.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        parallel: int = 4,
+        timeout: float = 5.0,
+        reader: ChunkReader | None = None,
+    ) -> None:
+        if chunk_size <= 0:
+            raise ConfigError("redis:// URL: parameter 'chunk_size' must be > 0")
+        self._pool = pool
+        self._client = aioredis.Redis(connection_pool=pool)
+        self.name = name
+        self._password = password
+        self.prefix = prefix
+        self.ttl = ttl
+        self._px = max(1, round(ttl * 1000)) if ttl > 0 else None
+        self.chunk_size = chunk_size
+        self.parallel = parallel
+        self.timeout = timeout
+        self._reader = reader
+        self._closed = False
+
+    # -- construction ----------------------------------------------------------------------------------
+    @classmethod
+    async def from_url(cls, url: StoreURL) -> RedisBackend:
+        opts = url.options(cls.params)
+        name = redact(url.raw)
+        kwargs = cls._connection_kwargs(url, opts)
+        pool = BlockingConnectionPool(
+            max_connections=opts["max_connections"], timeout=opts["timeout"], **kwargs
+        )
+        backend = cls(
+            pool,
+            name=name,
+            password=url.password,
+            prefix=opts["prefix"],
+            ttl=opts["ttl"],
+            chunk_size=opts["chunk_size"],
+            parallel=opts["parallel"],
+            timeout=opts["timeout"],
+            reader=cls._chunk_reader(url, opts, kwargs) if opts["fast_read"] else None,
+        )
+        if opts["check"]:
+            try:
+                async with backend._guard("connect"):
+                    await backend._client.ping()
+            except BaseException:
+                await backend.close()
+                raise
+        return backend
+
+    @staticmethod
+    def _chunk_reader(url: StoreURL, opts: dict[str, Any], kwargs: dict[str, Any]) -> ChunkReader | None:
+        """The raw-socket chunk reader for plain TCP and unix sockets (TLS reads stay on redis-py)."""
+        loop = asyncio.get_running_loop()
+        if url.scheme == "redis":
+            host, port = kwargs["host"], kwargs["port"]
+
+            def connect(factory: Callable[[], Any]) -> Any:
+                return loop.create_connection(factory, host, port)
+        elif url.scheme == "unix":
+            path = kwargs["path"]
+
+            def connect(factory: Callable[[], Any]) -> Any:
+                return loop.create_unix_connection(factory, path)
+        else:
+            return None
+        return ChunkReader(
+            connect,
+            username=url.username,
+            password=url.password,
+            db=kwargs["db"],
+            max_connections=opts["max_connections"],
+        )
+
+    @staticmethod
+    def _connection_kwargs(url: StoreURL, opts: dict[str, Any]) -> dict[str, Any]:
+        """Translate the URL into redis-py connection arguments (one place, so every scheme agrees)."""
+        if len(url.hosts) > 1:
+            raise ConfigError(f"{url.scheme}:// URL names several hosts; use redis+cluster:// for a cluster")
+        given_tls = [p for p in _TLS_PARAMS if p in url.query]
+        if given_tls and url.scheme != "rediss":
+            raise ConfigError(f"{url.scheme}:// URL: parameter {given_tls[0]!r} needs a rediss:// URL")
+        kwargs: dict[str, Any] = {
+            "username": url.username,
+            "password": url.password,
+            "socket_timeout": opts["timeout"],
+            "socket_connect_timeout": opts["timeout"],
+            # One immediate retry on a dropped connection: the first command after a server restart meets
+            # a dead pooled socket, and reconnecting once is what recovers it. Timeouts are not retried.
+            "retry": Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
+        }
+        db = opts["db"]
+        if url.scheme == "unix":
+            if not url.path:
+                raise ConfigError("unix:// URL needs a socket path, e.g. unix:///run/redis.sock?db=0")
+            kwargs.update(connection_class=UnixDomainSocketConnection, path=url.path, db=db or 0)
+            return kwargs
+        path_db = url.path.strip("/")
+        if path_db:
+            try:
+                from_path = _db_number(path_db)
+            except ValueError:
+                raise ConfigError(f"{url.scheme}:// URL: bad database {path_db!r} in the path") from None
+            if db is not None and db != from_path:
+                raise ConfigError(f"{url.scheme}:// URL: database given as /{from_path} and as db={db}")
+            db = from_path
+        kwargs.update(host=url.host or "localhost", port=url.port or DEFAULT_PORT, db=db or 0)
+        if url.scheme == "rediss":
+            kwargs.update(
+                connection_class=SSLConnection,
+                ssl_ca_certs=opts["tls_ca"],
+                ssl_certfile=opts["tls_cert"],
+                ssl_keyfile=opts["tls_key"],
+                ssl_check_hostname=opts["tls_check_hostname"],
+            )
+        else:
+            kwargs["connection_class"] = Connection
+        return kwargs
+
+    # -- error boundary --------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _guard(self, what: str) -> AsyncIterator[None]:
+        """Bound a call by ``timeout`` and translate everything redis-py or the OS raises."""
+        if self._closed:
+            raise BackendUnavailable(f"{self.name}: backend is closed")
+        try:
+            async with asyncio.timeout(self.timeout):
+                yield
+        except (TimeoutError, rexc.TimeoutError):
+            raise BackendTimeout(f"{self.name}: {what} did not finish within {self.timeout:g}s") from None
+        except rexc.AuthenticationError as exc:
+            raise BackendUnavailable(f"{self.name}: authentication failed ({self._scrub(exc)})") from None
+        except rexc.ResponseError as exc:
+            text = self._scrub(exc)
+            if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+                raise BackendUnavailable(f"{self.name}: authentication failed ({text})") from None
+            raise BackendError(f"{self.name}: {what} failed: {text}") from None
+        except (rexc.ConnectionError, OSError) as exc:
+            raise BackendUnavailable(f"{self.name}: {what} failed: {self._scrub(exc)}") from None
+        except rexc.RedisError as exc:
+            raise BackendError(f"{self.name}: {what} failed: {self._scrub(exc)}") from None
+        except BackendError as exc:  # from the chunk reader: already ours, add which store and call
+            raise type(exc)(f"{self.name}: {what} failed: {self._scrub(exc)}") from None
+
+    def _scrub(self, exc: BaseException) -> str:
+        text = str(exc) or type(exc).__name__
+        if self._password:
+            text = text.replace(self._password, "***")
+        return text
+
+    # -- contract --------------------------------------------------------------------------------------
+    async def put(self, items: Sequence[tuple[str, Value]]) -> None:
+        """Inline values of the batch in one pipeline; each chunked value in its own transaction, at once."""
+        async with self._guard("put"):
+            inline: list[tuple[str, memoryview | bytes]] = []
+            jobs: list[Coroutine[Any, Any, None]] = []
+            for key, value in items:
+                whole, chunks = split_value(value, self.chunk_size)
+                if chunks is None:
+                    assert whole is not None
+                    inline.append((key, whole))
+                else:
+                    jobs.append(self._put_chunked(key, chunks))
+            if inline:
+                jobs.append(self._put_inline(inline))
+            await _gather(jobs)
+
+    async def _put_inline(self, items: list[tuple[str, memoryview | bytes]]) -> None:
+        # No MULTI needed: each SET is atomic on its own, and nothing else has to land with it.
+        async with self._client.pipeline(transaction=False) as pipe:
+            for key, value in items:
+                pipe.set(main_key(self.prefix, key), value, px=self._px, get=True)
+            olds = await pipe.execute(raise_on_error=False)
+        doomed: list[str] = []
+        for (key, _), old in zip(items, olds, strict=True):
+            if isinstance(old, Exception):
+                raise old
+            previous = Manifest.parse(old) if isinstance(old, bytes) else None
+            if previous is not None:
+                doomed += chunk_keys(self.prefix, key, previous)
+        if doomed:
+            await self._client.unlink(*doomed)
+
+    async def _put_chunked(self, key: str, chunks: list[memoryview]) -> None:
+        head = main_key(self.prefix, key)
+        manifest = Manifest(new_version(), len(chunks), sum(c.nbytes for c in chunks))
+        names = chunk_keys(self.prefix, key, manifest)
+        async with self._client.pipeline(transaction=True) as pipe:
+            for name, chunk in zip(names, chunks, strict=True):
+                pipe.set(name, chunk, px=self._px)
+            pipe.set(head, manifest.pack(), px=self._px, get=True)
+            results = await pipe.execute(raise_on_error=False)
+        old = results[-1]
+        if isinstance(old, Exception):  # e.g. WRONGTYPE: a non-string under our key; our chunks are orphans
+            await self._client.unlink(*names)
+            raise old
+        failed = next((r for r in results if isinstance(r, Exception)), None)
+        if failed is not None:
+            raise failed
+        previous = Manifest.parse(old) if isinstance(old, bytes) else None
+        # A retried transaction (connection lost after EXEC) reads back its own manifest: keep those chunks.
+        if previous is not None and previous.version != manifest.version:
+            await self._client.unlink(*chunk_keys(self.prefix, key, previous))
+
+    async def get(self, keys: Sequence[str]) -> list[Sequence[Buffer] | None]:
+        async with self._guard("get"):
+            return await self._get(keys, retry=True)
+
+    async def _get(self, keys: Sequence[str], *, retry: bool) -> list[Sequence[Buffer] | None]:
+        heads = await self._mget([main_key(self.prefix, k) for k in keys])
+        out: list[Sequence[Buffer] | None] = []
+        chunked: list[tuple[int, Manifest, list[str]]] = []
+        for index, (key, head) in enumerate(zip(keys, heads, strict=True)):
+            manifest = Manifest.parse(head) if head is not None else None
+            if manifest is None:
+                out.append((head,) if head is not None else None)
+            else:
+                out.append(None)
+                chunked.append((index, manifest, chunk_keys(self.prefix, key, manifest)))
+        if not chunked:
+            return out
+        largest = max(manifest.total for _, manifest, _ in chunked)
+        fetched = await self._fetch([name for _, _, names in chunked for name in names], largest)
+        again: list[int] = []
+        start = 0
+        for index, manifest, names in chunked:
+            chunks = fetched[start : start + len(names)]
+            start += len(names)
+            if chunks_complete(chunks, manifest):
+                out[index] = chunks  # type: ignore[assignment]  # all present, checked just above
+            else:
+                again.append(index)
+        if again and retry:
+            # A chunk went missing under us: a newer write replaced the value, or it was evicted. The key
+            # now holds the new manifest (or nothing); follow it once. A second loss is reported as a miss.
+            retried = await self._get([keys[i] for i in again], retry=False)
+            for index, value in zip(again, retried, strict=True):
+                out[index] = value
+        return out
+
+    async def _fetch(self, names: list[str], largest: int) -> list[bytes | bytearray | None]:
+        """MGET ``names`` split into up to ``parallel`` contiguous groups, each on its own connection.
+
+        No chunk can be longer than ``largest`` (the biggest manifest's total): the fast reader refuses a
+        longer reply rather than allocate what a damaged or hostile server declares.
+        """
+        groups = min(self.parallel, len(names))
+        bounds = [len(names) * g // groups for g in range(groups + 1)]
+        parts = await _gather(self._fetch_group(names[a:b], largest) for a, b in itertools.pairwise(bounds))
+        return [value for part in parts for value in part]
+
+    async def _fetch_group(self, names: list[str], largest: int) -> list[bytes | bytearray | None]:
+        if self._reader is not None:
+            return await self._reader.mget(names, largest)
+        return list(await self._mget(names))
+
+    async def _mget(self, names: list[str]) -> list[bytes | None]:
+        # redis-py types replies as bytes | str; with decode_responses off (never turned on here) it is bytes.
+        values: list[bytes | None] = await self._client.mget(names)  # type: ignore[assignment]
+        return values
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        async with self._guard("exists"), self._client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.exists(main_key(self.prefix, key))
+            counts = await pipe.execute()
+        return [bool(c) for c in counts]
+
+    async def delete(self, keys: Sequence[str]) -> int:
+        async with self._guard("delete"):
+            heads = [main_key(self.prefix, k) for k in keys]
+            async with self._client.pipeline(transaction=False) as pipe:
+                for head in heads:
+                    pipe.getdel(head)
+                olds = await pipe.execute(raise_on_error=False)
+            removed = 0
+            doomed: list[str] = []
+            for key, head, old in zip(keys, heads, olds, strict=True):
+                if isinstance(old, rexc.ResponseError):  # not a string: someone else's type, delete anyway
+                    removed += int(await self._client.delete(head))
+                elif isinstance(old, Exception):
+                    raise old
+                elif old is not None:
+                    removed += 1
+                    manifest = Manifest.parse(old)
+                    if manifest is not None:
+                        doomed += chunk_keys(self.prefix, key, manifest)
+            if doomed:
+                await self._client.unlink(*doomed)
+        return removed
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            await self._reader.close()
+        await self._client.aclose()
+        await self._pool.disconnect()
+
+    # -- introspection (tests count these back to zero) ------------------------------------------------
+    def connection_counts(self) -> tuple[int, int]:
+        """``(connected, in_use)``: pooled connections holding an open socket, and those lent out now.
+
+        Tests count both back to zero; redis-py's public ``get_connection_count`` also counts connection
+        objects whose socket is already closed, so the pool's lists are read directly.
+        """
+        pool = self._pool
+        every = [*pool._available_connections, *pool._in_use_connections]
+        connected, in_use = sum(c.is_connected for c in every), len(pool._in_use_connections)
+        if self._reader is not None:
+            raw_connected, raw_in_use = self._reader.counts()
+            connected, in_use = connected + raw_connected, in_use + raw_in_use
+        return connected, in_use
+
+
+async def _gather(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run coroutines concurrently; on the first failure cancel the rest and wait for them (no orphans)."""
+    pending = list(coros)
+    if len(pending) == 1:
+        return [await pending[0]]
+    tasks: list[asyncio.Task[T]] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in pending]
+    except BaseExceptionGroup as failures:
+        raise failures.exceptions[0] from None
+    return [t.result() for t in tasks]

@@ -1,0 +1,329 @@
+"""The Redis backend against a real redis-server: layout, URL parameters, auth, sockets, TLS.
+
+The cross-backend contract suite covers the generic behaviour; these tests pin what is Redis-specific.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from asyncconn.backend import open_backend
+from asyncconn.exceptions import BackendUnavailable, ConfigError
+from asyncconn.runtime import Runtime
+from asyncconn.store import TensorStore
+from backends._redis_layout import MANIFEST_SIZE, MAX_CHUNKS, Manifest, main_key, split_value
+from backends.redis import RedisBackend
+from tests.servers import RedisServer, wait_port
+
+pytestmark = pytest.mark.redis
+
+
+async def _open(url: str) -> RedisBackend:
+    backend = await open_backend(url)
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+@pytest.fixture
+async def raw(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def _url(server: RedisServer, query: str, db: int = 0) -> str:
+    return f"redis://127.0.0.1:{server.port}/{db}?{query}"
+
+
+# -- layout ------------------------------------------------------------------------------------------
+def test_split_value_follows_parts_and_chunk_size() -> None:
+    inline, chunks = split_value([b"h" * 10, b"p" * 20], 30)
+    assert inline == b"h" * 10 + b"p" * 20 and chunks is None
+    inline, chunks = split_value([b"h" * 10, b"p" * 25], 10)
+    assert inline is None and chunks is not None
+    assert [bytes(c) for c in chunks] == [b"h" * 10, b"p" * 10, b"p" * 10, b"p" * 5]
+
+
+def test_manifest_round_trip_and_rejects_tampering() -> None:
+    m = Manifest(b"12345678", 3, 999)
+    packed = m.pack()
+    assert len(packed) == MANIFEST_SIZE and Manifest.parse(packed) == m
+    tampered = bytearray(packed)
+    tampered[20] ^= 1
+    assert Manifest.parse(bytes(tampered)) is None
+    assert Manifest.parse(b"ACNF" + packed[4:]) is None
+    # a checked manifest that claims more chunks than bytes, or absurdly many, is not followed
+    assert Manifest.parse(Manifest(b"12345678", 5, 3).pack()) is None
+    assert Manifest.parse(Manifest(b"12345678", MAX_CHUNKS + 1, 1 << 40).pack()) is None
+
+
+# -- round trips ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [0, 1, 1023, 1024, 1025, 3 * 1024, 10_000])
+async def test_round_trip_raw_values(redis_server: RedisServer, raw: aioredis.Redis, size: int) -> None:
+    prefix = f"rt{size}:"
+    backend = await _open(_url(redis_server, f"chunk_size=1KiB&prefix={prefix}"))
+    try:
+        value = os.urandom(size)
+        await backend.put([("k", value)])
+        (got,) = await backend.get(["k"])
+        assert got is not None and b"".join(got) == value
+        keys = await raw.keys(f"{prefix}*")
+        # exactly chunk_size stays inline: one key; above it, a manifest plus ceil(size / 1KiB) chunks
+        assert len(keys) == (1 if size <= 1024 else 1 + -(-size // 1024))
+        assert await backend.exists(["k", "absent"]) == [True, False]
+        assert await backend.delete(["k", "absent"]) == 1
+        assert await raw.keys(f"{prefix}*") == []
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("chunk_size", ["64", "4KiB", "1MiB"])
+async def test_tensor_round_trip_through_store(redis_server: RedisServer, chunk_size: str) -> None:
+    backend = await _open(_url(redis_server, f"chunk_size={chunk_size}&prefix=ts{chunk_size}:"))
+    store = TensorStore(backend)
+    try:
+        tensors = {f"t{i}": torch.randn(100 + i, 37) for i in range(3)}
+        await store.put(tensors.items())
+        got = await store.get(list(tensors))
+        for (name, want), have in zip(tensors.items(), got, strict=True):
+            assert have is not None and torch.equal(have, want), name
+        out = torch.empty(101, 37)
+        assert await store.get_into("t1", out) and torch.equal(out, tensors["t1"])
+        assert store.stats.corrupt == 0 and store.stats.hits == 4
+    finally:
+        await store.close()
+
+
+async def test_overwrites_leave_no_orphan_chunks(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    backend = await _open(_url(redis_server, "chunk_size=100&prefix=ow:"))
+    try:
+        await backend.put([("k", os.urandom(1000))])
+        await backend.put([("k", os.urandom(450))])
+        assert len(await raw.keys("ow:*")) == 1 + 5
+        await backend.put([("k", b"small")])
+        assert await raw.keys("ow:*") == [main_key("ow:", "k").encode()]
+        (got,) = await backend.get(["k"])
+        assert got is not None and b"".join(got) == b"small"
+        # one batch: inline values replacing chunked ones, and a chunked one replacing an inline one
+        await backend.put([("a", os.urandom(300)), ("b", os.urandom(300))])
+        assert len(await raw.keys("ow:*")) == 1 + 2 * (1 + 3)
+        await backend.put([("a", b"1"), ("b", b"2"), ("k", os.urandom(250)), ("a", b"3")])
+        assert len(await raw.keys("ow:*")) == 3 + 3
+        got_a, got_b = await backend.get(["a", "b"])
+        assert got_a is not None and got_b is not None
+        assert b"".join(got_a) == b"3" and b"".join(got_b) == b"2"  # one pipeline: in order
+    finally:
+        await backend.close()
+
+
+async def test_ttl_applies_to_manifest_and_chunks(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    backend = await _open(_url(redis_server, "chunk_size=100&prefix=ttl:&ttl=30s"))
+    try:
+        await backend.put([("k", os.urandom(350)), ("small", b"x")])
+        keys = await raw.keys("ttl:*")
+        assert len(keys) == 1 + 4 + 1
+        for key in keys:
+            assert 0 < await raw.pttl(key) <= 30_000
+    finally:
+        await backend.close()
+
+
+async def test_prefixes_isolate_stores(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    a = await _open(_url(redis_server, "prefix=iso-a:"))
+    b = await _open(_url(redis_server, "prefix=iso-b:"))
+    try:
+        await a.put([("k", b"from a")])
+        assert await b.get(["k"]) == [None]
+        await b.put([("k", b"from b")])
+        assert [bytes(c) for c in (await a.get(["k"]))[0] or ()] == [b"from a"]
+        assert sorted(await raw.keys("iso-*")) == [b"iso-a:{k}", b"iso-b:{k}"]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_database_selection(redis_server: RedisServer) -> None:
+    one = await _open(_url(redis_server, "prefix=dbsel:", db=1))
+    two = await _open(f"redis://127.0.0.1:{redis_server.port}?db=2&prefix=dbsel:")
+    raw1 = aioredis.Redis(host="127.0.0.1", port=redis_server.port, db=1)
+    try:
+        await one.put([("k", b"in db 1")])
+        assert await two.get(["k"]) == [None]
+        assert await raw1.get("dbsel:{k}") == b"in db 1"
+    finally:
+        await one.delete(["k"])
+        await raw1.aclose()
+        await one.close()
+        await two.close()
+
+
+# -- auth, sockets -----------------------------------------------------------------------------------
+@pytest.fixture
+def password_server() -> Iterator[RedisServer]:
+    server = RedisServer(password="s3cret-Pa55").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_password_auth(password_server: RedisServer) -> None:
+    backend = await _open(password_server.url + "?prefix=auth:")
+    try:
+        await backend.put([("k", b"v")])
+        assert await backend.exists(["k"]) == [True]
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize("userinfo", [":wrong-Pa55w0rd@", "default:wrong-Pa55w0rd@", ""])
+async def test_wrong_or_missing_password_fails_clearly(password_server: RedisServer, userinfo: str) -> None:
+    url = f"redis://{userinfo}127.0.0.1:{password_server.port}/0"
+    with pytest.raises(BackendUnavailable, match=r"(?i)auth") as info:
+        await open_backend(url)
+    text = str(info.value)
+    assert "wrong-Pa55w0rd" not in text and "s3cret" not in text
+
+
+async def test_unix_socket() -> None:
+    sock_dir = tempfile.mkdtemp(prefix="asyncconn-sock-")
+    path = os.path.join(sock_dir, "redis.sock")
+    server = RedisServer(extra_args=("--unixsocket", path, "--unixsocketperm", "700")).start()
+    try:
+        backend = await _open(f"unix://{path}?db=3&prefix=ux:&chunk_size=1KiB")
+        try:
+            await backend.put([("k", os.urandom(5000))])
+            (got,) = await backend.get(["k"])
+            assert got is not None and sum(map(len, got)) == 5000
+        finally:
+            await backend.close()
+        raw3 = aioredis.Redis(host="127.0.0.1", port=server.port, db=3)
+        assert await raw3.exists("ux:{k}") == 1
+        await raw3.aclose()
+    finally:
+        server.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("chunk_size=lots", "chunk_size"),
+        ("chunk_size=0", "chunk_size"),
+        ("ttl=forever", "ttl"),
+        ("max_connections=0", "max_connections"),
+        ("timeout=-1", "timeout"),
+        ("db=-2", "db"),
+        ("nonsense=1", "nonsense"),
+        ("tls_ca=/x.pem", "tls_ca"),
+    ],
+)
+async def test_bad_url_parameters_are_named(redis_server: RedisServer, query: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        await open_backend(_url(redis_server, query))
+
+
+async def test_bad_database_path_and_conflicts(redis_server: RedisServer) -> None:
+    with pytest.raises(ConfigError, match="database"):
+        await open_backend(f"redis://127.0.0.1:{redis_server.port}/zero")
+    with pytest.raises(ConfigError, match="database"):
+        await open_backend(f"redis://127.0.0.1:{redis_server.port}/1?db=2")
+    with pytest.raises(ConfigError, match="socket path"):
+        await open_backend("unix://")
+
+
+async def test_nothing_listening_is_unavailable() -> None:
+    from tests.servers import free_port
+
+    with pytest.raises(BackendUnavailable) as info:
+        await open_backend(f"redis://:pw-Secret9@127.0.0.1:{free_port()}/0?timeout=1")
+    assert "pw-Secret9" not in str(info.value)
+
+
+# -- TLS -----------------------------------------------------------------------------------------------
+def _make_certs(root: Path) -> None:
+    def ossl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=root, check=True, capture_output=True)
+
+    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=asyncconn-test-ca",
+         "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
+    ossl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key",
+         "-out", "server.csr")  # fmt: skip
+    (root / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    ossl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-days", "1", "-extfile", "ext.cnf", "-out", "server.pem")  # fmt: skip
+
+
+async def test_tls_round_trip() -> None:
+    root = Path(tempfile.mkdtemp(prefix="asyncconn-tls-"))
+    try:
+        try:
+            _make_certs(root)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            pytest.skip(f"openssl could not make test certificates: {exc}")
+        from tests.servers import free_port
+
+        tls_port = free_port()
+        tls_args = ["--tls-port", str(tls_port), "--tls-cert-file", str(root / "server.pem"),
+                    "--tls-key-file", str(root / "server.key"), "--tls-ca-cert-file", str(root / "ca.pem"),
+                    "--tls-auth-clients", "no"]  # fmt: skip
+        server = RedisServer(extra_args=tuple(tls_args))
+        try:
+            server.start()
+            wait_port(tls_port)
+        except RuntimeError as exc:
+            server.stop()
+            pytest.skip(f"redis-server without TLS support: {exc}")
+        try:
+            base = f"rediss://localhost:{tls_port}/0?tls_ca={root / 'ca.pem'}&chunk_size=1KiB&prefix=tls:"
+            backend = await _open(base)
+            try:
+                await backend.put([("k", os.urandom(3000))])
+                (got,) = await backend.get(["k"])
+                assert got is not None and sum(map(len, got)) == 3000
+            finally:
+                await backend.close()
+            # a CA that did not sign the server certificate is refused
+            with pytest.raises(BackendUnavailable):
+                await open_backend(f"rediss://localhost:{tls_port}/0?timeout=2")
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# -- on the library's own loop (uvloop) -----------------------------------------------------------------
+@pytest.mark.parametrize("fast_read", ["true", "false"])
+def test_round_trip_on_the_runtime_loop(redis_server: RedisServer, runtime: Runtime, fast_read: str) -> None:
+    """The backend as the library runs it: opened and used on the Runtime's (uvloop) thread."""
+    url = _url(redis_server, f"chunk_size=64KiB&prefix=rt-loop-{fast_read}:&fast_read={fast_read}")
+    tensors = [torch.randn(300, 1000), torch.randn(10)]
+
+    async def scenario() -> tuple[list[torch.Tensor | None], tuple[int, int]]:
+        store = await TensorStore.open(url)
+        try:
+            await store.put([("big", tensors[0]), ("small", tensors[1])])
+            got = await store.get(["big", "small", "absent"])
+            await store.delete(["big", "small"])
+            backend = store.backend
+            assert isinstance(backend, RedisBackend)
+            return got, backend.connection_counts()
+        finally:
+            await store.close()
+
+    got, (_, in_use) = runtime.run(scenario(), timeout=30)
+    assert got[0] is not None and torch.equal(got[0], tensors[0])
+    assert got[1] is not None and torch.equal(got[1], tensors[1])
+    assert got[2] is None and in_use == 0
+    assert runtime.uses_uvloop

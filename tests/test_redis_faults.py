@@ -1,0 +1,385 @@
+"""The Redis backend when things go wrong: foreign or damaged values, a killed or frozen server, races.
+
+Bad bytes must become misses (counted as corrupt by TensorStore), never a wrong tensor; a dead or hung
+server must fail calls within the timeout and the backend must work again once the server is back, with
+no connection or task left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from asyncconn.backend import open_backend
+from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable
+from asyncconn.store import TensorStore
+from backends._redis_layout import MANIFEST_MAGIC, Manifest, chunk_keys, main_key
+from backends._redis_reader import ChunkReader
+from backends.redis import RedisBackend
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.redis
+
+
+async def _store(url: str, timeout: float = 5.0) -> TensorStore:
+    backend = await open_backend(url)
+    assert isinstance(backend, RedisBackend)
+    return TensorStore(backend, timeout=timeout)
+
+
+def _backend(store: TensorStore) -> RedisBackend:
+    assert isinstance(store.backend, RedisBackend)
+    return store.backend
+
+
+@pytest.fixture
+async def raw(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def _tasks() -> int:
+    return len(asyncio.all_tasks())
+
+
+# -- bad bytes -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "foreign",
+    [b"hello from redis-cli", b"", b"ACNF" + b"\x00" * 60, MANIFEST_MAGIC + b"\x01" * 32, b"\x00ACM"],
+)
+async def test_value_written_by_another_tool_is_a_counted_miss(
+    redis_server: RedisServer, raw: aioredis.Redis, foreign: bytes
+) -> None:
+    store = await _store(f"redis://127.0.0.1:{redis_server.port}/0?prefix=foreign:")
+    try:
+        await raw.set(main_key("foreign:", "k"), foreign)
+        assert await store.get(["k"]) == [None]
+        assert store.stats.corrupt == 1 and store.stats.misses == 1
+        assert not await store.get_into("k", torch.empty(4))
+    finally:
+        await store.delete(["k"])
+        await store.close()
+
+
+async def test_non_string_under_our_key(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    store = await _store(f"redis://127.0.0.1:{redis_server.port}/0?prefix=wrongtype:&chunk_size=64")
+    try:
+        await raw.hset(main_key("wrongtype:", "k"), "field", "value")
+        assert await store.get(["k"]) == [None]
+        with pytest.raises(BackendError, match="WRONGTYPE"):
+            await store.put([("k", torch.arange(100))])
+        assert await raw.keys("wrongtype:*") == [main_key("wrongtype:", "k").encode()]  # no orphan chunks
+        assert await store.delete(["k"]) == 1
+        assert await raw.keys("wrongtype:*") == []
+    finally:
+        await store.close()
+
+
+async def _chunked(server: RedisServer, prefix: str) -> tuple[TensorStore, list[str]]:
+    store = await _store(f"redis://127.0.0.1:{server.port}/0?prefix={prefix}&chunk_size=256")
+    await store.put([("k", torch.arange(300, dtype=torch.float32))])
+    head = await _backend(store)._client.get(main_key(prefix, "k"))
+    assert isinstance(head, bytes)
+    manifest = Manifest.parse(head)
+    assert manifest is not None and manifest.count > 2
+    return store, chunk_keys(prefix, "k", manifest)
+
+
+async def test_manifest_pointing_at_missing_chunks_is_a_miss(
+    redis_server: RedisServer, raw: aioredis.Redis
+) -> None:
+    store, names = await _chunked(redis_server, "missing:")
+    try:
+        await raw.delete(names[1])
+        assert await store.get(["k"]) == [None]
+        assert store.stats.misses == 1 and store.stats.corrupt == 0
+    finally:
+        await store.delete(["k"])
+        await store.close()
+    assert await raw.keys("missing:*") == []
+
+
+async def test_truncated_chunk_is_a_miss(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    store, names = await _chunked(redis_server, "trunc:")
+    try:
+        await raw.set(names[-1], b"\x00")
+        assert await _backend(store).get(["k"]) == [None]  # the manifest's length no longer adds up
+        assert await store.get(["k"]) == [None]
+    finally:
+        await store.delete(["k"])
+        await store.close()
+
+
+async def test_flipped_byte_in_a_chunk_is_a_counted_miss(
+    redis_server: RedisServer, raw: aioredis.Redis
+) -> None:
+    store, names = await _chunked(redis_server, "flip:")
+    try:
+        stored = await raw.get(names[2])
+        assert isinstance(stored, bytes)
+        chunk = bytearray(stored)
+        chunk[7] ^= 0x40
+        await raw.set(names[2], bytes(chunk))
+        assert await store.get(["k"]) == [None]
+        assert store.stats.corrupt == 1
+    finally:
+        await store.delete(["k"])
+        await store.close()
+
+
+# -- a dead or frozen server -----------------------------------------------------------------------------
+@pytest.mark.parametrize("fast_read", ["true", "false"])
+async def test_server_killed_mid_batch_then_restarted(fresh_redis: RedisServer, fast_read: str) -> None:
+    tasks_before = _tasks()
+    store = await _store(
+        f"{fresh_redis.url}?chunk_size=64KiB&parallel=4&max_connections=8&fast_read={fast_read}"
+    )
+    backend = _backend(store)
+    batch = [(f"k{i}", torch.randn(256, 1024)) for i in range(8)]  # 1 MiB each: 17 chunks
+    try:
+        await store.put(batch[:2])
+        fresh_redis.pause()  # the batch below is sent into socket buffers and waits for replies...
+        put = asyncio.ensure_future(store.put(batch))
+        get = asyncio.ensure_future(store.get(["k0", "k1"]))
+        await asyncio.sleep(0.2)
+        assert not put.done() and not get.done()
+        fresh_redis.kill()  # ...until the server dies under it: reset connections, not a timeout
+        for job in (put, get):
+            with pytest.raises(BackendUnavailable):
+                await job
+        with pytest.raises(BackendUnavailable):
+            await store.exists(["k0"])
+        assert backend.connection_counts()[1] == 0
+
+        fresh_redis.start()  # same port, empty: the pool's dead sockets must be replaced
+        assert await store.get(["k0"]) == [None]
+        await store.put(batch[:3])
+        got = await store.get(["k0", "k2"])
+        assert got[0] is not None and torch.equal(got[0], batch[0][1])
+        assert got[1] is not None and torch.equal(got[1], batch[2][1])
+        assert backend.connection_counts()[1] == 0
+    finally:
+        await store.close()
+    assert backend.connection_counts() == (0, 0)
+    assert _tasks() == tasks_before
+
+
+@pytest.mark.parametrize("fast_read", ["true", "false"])
+async def test_paused_server_times_out_then_recovers(fresh_redis: RedisServer, fast_read: str) -> None:
+    tasks_before = _tasks()
+    store = await _store(
+        f"{fresh_redis.url}?chunk_size=64KiB&timeout=500ms&fast_read={fast_read}", timeout=5.0
+    )
+    backend = _backend(store)
+    value = torch.randn(64, 1024)
+    try:
+        await store.put([("k", value)])
+        fresh_redis.pause()
+        with pytest.raises(BackendTimeout):
+            await store.get(["k"])
+        with pytest.raises(BackendTimeout):
+            await store.put([("k2", value)])
+        with pytest.raises(BackendTimeout):
+            await store.delete(["k"])
+        assert backend.connection_counts()[1] == 0
+        fresh_redis.resume()
+        (got,) = await store.get(["k"])
+        assert got is not None and torch.equal(got, value)
+        assert backend.connection_counts()[1] == 0
+    finally:
+        fresh_redis.resume()
+        await store.close()
+    assert _tasks() == tasks_before
+
+
+@pytest.mark.parametrize("fast_read", ["true", "false"])
+async def test_cancelled_get_returns_its_connections(fresh_redis: RedisServer, fast_read: str) -> None:
+    store = await _store(f"{fresh_redis.url}?chunk_size=64KiB&fast_read={fast_read}")
+    backend = _backend(store)
+    try:
+        await store.put([("k", torch.randn(256, 1024))])
+        fresh_redis.pause()
+        job = asyncio.ensure_future(store.get(["k"]))
+        await asyncio.sleep(0.1)
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        assert backend.connection_counts()[1] == 0
+        fresh_redis.resume()
+        assert (await store.get(["k"]))[0] is not None
+    finally:
+        fresh_redis.resume()
+        await store.close()
+
+
+async def test_closed_backend_refuses_calls(redis_server: RedisServer) -> None:
+    store = await _store(f"{redis_server.url}?prefix=closed:")
+    await store.close()
+    await store.close()
+    with pytest.raises(BackendUnavailable, match="closed"):
+        await store.get(["k"])
+
+
+# -- racing producers ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fast_read", ["true", "false"])
+async def test_racing_writers_never_show_a_torn_value(
+    redis_server: RedisServer, raw: aioredis.Redis, fast_read: str
+) -> None:
+    prefix = f"race-{fast_read}:"
+    url = (
+        f"redis://127.0.0.1:{redis_server.port}/0?prefix={prefix}&chunk_size=4KiB&max_connections=32"
+        f"&fast_read={fast_read}"
+    )
+    writers = [await _store(url) for _ in range(4)]
+    reader = await _store(url)
+    values = [torch.full((64, 256), float(i)) for i in range(len(writers))]  # 64 KiB: 17 chunks each
+    seen: list[int] = []
+    stop = asyncio.Event()
+
+    async def write(store: TensorStore, value: torch.Tensor) -> None:
+        for _ in range(25):
+            await store.put([("k", value)])
+
+    async def read() -> None:
+        while not stop.is_set():
+            (got,) = await reader.get(["k"])
+            if got is not None:
+                matches = [i for i, v in enumerate(values) if torch.equal(got, v)]
+                assert len(matches) == 1, "a read returned a value no writer wrote"
+                seen.append(matches[0])
+
+    try:
+        readers = [asyncio.ensure_future(read()) for _ in range(2)]
+        await asyncio.gather(*(write(s, v) for s, v in zip(writers, values, strict=True)))
+        stop.set()
+        await asyncio.gather(*readers)
+        assert seen, "readers never saw a value"
+        assert reader.stats.corrupt == 0
+        head = await raw.get(main_key(prefix, "k"))
+        assert isinstance(head, bytes)
+        manifest = Manifest.parse(head)
+        assert manifest is not None
+        assert sorted(await raw.keys(f"{prefix}*")) == sorted(
+            k.encode() for k in [main_key(prefix, "k"), *chunk_keys(prefix, "k", manifest)]
+        )
+        assert await reader.delete(["k"]) == 1
+        assert await raw.keys(f"{prefix}*") == []
+    finally:
+        for store in [*writers, reader]:
+            await store.close()
+
+
+async def test_chunk_loss_is_retried_from_the_new_manifest(redis_server: RedisServer) -> None:
+    """A reader whose chunks vanish (replaced by a newer write) follows the new manifest once."""
+    prefix = "retry:"
+    store = await _store(f"redis://127.0.0.1:{redis_server.port}/0?prefix={prefix}&chunk_size=128")
+    backend = _backend(store)
+    old, new = torch.zeros(200), torch.ones(200)
+    real_mget = backend._mget
+    calls = 0
+
+    async def mget_then_replace(names: list[str]) -> list[bytes | None]:
+        nonlocal calls
+        calls += 1
+        result = await real_mget(names)
+        if calls == 1:  # after the reader has read the old manifest, a producer replaces the value
+            await store.put([("k", new)])
+        return result
+
+    try:
+        await store.put([("k", old)])
+        backend._mget = mget_then_replace  # type: ignore[method-assign]
+        (got,) = await store.get(["k"])
+        assert got is not None and torch.equal(got, new)
+    finally:
+        await store.delete(["k"])
+        await store.close()
+
+
+# -- the raw chunk reader against a misbehaving server ----------------------------------------------------
+async def _serve(reply: bytes) -> asyncio.Server:
+    """A server that answers every request with ``reply`` (then keeps the connection open)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.read(65536):
+                writer.write(reply)
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def _reader_for(server: asyncio.Server) -> ChunkReader:
+    port = server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    return ChunkReader(
+        lambda factory: loop.create_connection(factory, "127.0.0.1", port),
+        username=None, password=None, db=0, max_connections=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        (b"*1\r\n$999999999\r\n", "over the"),  # a declared length beyond the value asked for
+        (b"*2\r\n$3\r\nabcXY$1\r\nz\r\n", "CRLF"),
+        (b"?what\r\n", "unknown reply type"),
+        (b"*x\r\n", "bad reply"),
+        (b"-ERR no such thing\r\n", "no such thing"),
+        (b"$" + b"9" * 70_000, "longer than"),
+    ],
+)
+async def test_chunk_reader_rejects_bad_replies(reply: bytes, error: str) -> None:
+    server = await _serve(reply)
+    reader = _reader_for(server)
+    try:
+        with pytest.raises(BackendError, match=error):
+            await reader.mget(["a", "b"], 1000)
+        assert reader.counts() == (0, 0)
+    finally:
+        await reader.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_chunk_reader_parses_split_and_nil_replies() -> None:
+    body = os.urandom(200_000)
+    server = await _serve(b"*3\r\n$-1\r\n$%d\r\n%s\r\n$0\r\n\r\n" % (len(body), body))
+    reader = _reader_for(server)
+    try:
+        for _ in range(2):  # the second call reuses the pooled connection
+            assert await reader.mget(["a", "b", "c"], len(body)) == [None, body, b""]
+        assert reader.counts() == (1, 0)
+    finally:
+        await reader.close()
+        server.close()
+        await server.wait_closed()
+    assert reader.counts() == (0, 0)
+
+
+async def test_chunk_reader_server_closing_mid_reply_is_unavailable() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        writer.write(b"*2\r\n$5\r\nab")  # half a reply, then the server goes away
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    reader = _reader_for(server)
+    try:
+        with pytest.raises(BackendUnavailable, match="connection lost"):
+            await reader.mget(["a", "b"], 10)
+        assert reader.counts() == (0, 0)
+    finally:
+        await reader.close()
+        server.close()
+        await server.wait_closed()
