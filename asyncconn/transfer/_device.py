@@ -11,10 +11,11 @@ side stream* (inside ``torch.cuda.stream(side)``), so the allocator only ever ha
 side-stream allocations, which are ordered after our copy by the stream itself: no wait on the default stream
 is needed before the copy, and the copy overlaps with whatever compute is queued there. When the tensor is
 handed to the caller (after its event has fired) :meth:`TransferDevice.hand_over` calls
-``tensor.record_stream(current_stream)``, so that when vLLM frees it the allocator waits for the default-stream
-work queued by then before reusing the block for the next side-stream copy. The other choice -- allocate on
-the default stream and make the side stream ``wait_stream(default)`` -- would serialize every load behind all
-the compute queued at the time of the copy, which is exactly the stall this module exists to remove.
+``tensor.record_stream(current_stream)``, so that when vLLM frees it the allocator waits for the
+default-stream work queued by then before reusing the block for the next side-stream copy. The other
+choice -- allocate on the default stream and make the side stream ``wait_stream(default)`` -- would
+serialize every load behind all the compute queued at the time of the copy, which is exactly the stall this
+module exists to remove.
 
 Writes into memory we did not allocate (KV blocks in vLLM's cache) are ordered after the default-stream work
 queued *when the load was submitted* (an event recorded then, waited on by the side stream), not after work
@@ -27,11 +28,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
-__all__ = ["DONE", "CpuDevice", "CudaDevice", "Event", "TransferDevice", "default_device"]
+__all__ = ["DONE", "CopyPairs", "CpuDevice", "CudaDevice", "Event", "TransferDevice", "default_device"]
 
 
 class Event(Protocol):
@@ -63,6 +64,9 @@ class TransferDevice(abc.ABC):
 
     #: ``torch.device`` that loaded tensors land on.
     device: torch.device
+    #: Scatter KV runs from a device copy of the whole value rather than straight from host memory (a
+    #: strided host->device copy goes through a pageable temporary, synchronously).
+    scatter_via_device: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod
@@ -121,6 +125,8 @@ class CpuDevice(TransferDevice):
 class CudaDevice(TransferDevice):
     """One side stream per instance (the loader and the save tracker each own one) on one CUDA device."""
 
+    scatter_via_device: ClassVar[bool] = True
+
     def __init__(self, device: torch.device | str | int | None = None) -> None:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if dev.type != "cuda":
@@ -128,7 +134,7 @@ class CudaDevice(TransferDevice):
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
-        self.stream = torch.cuda.Stream(device=dev)
+        self.stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
 
     @property
     def pinned(self) -> bool:
@@ -142,7 +148,7 @@ class CudaDevice(TransferDevice):
             return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
     def mark(self) -> Event:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event
 
@@ -157,7 +163,7 @@ class CudaDevice(TransferDevice):
                 for t in (dst, src):
                     if t.is_cuda:
                         t.record_stream(self.stream)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         return event
 

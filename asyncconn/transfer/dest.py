@@ -61,7 +61,7 @@ class BlockDest:
     """Scatter a value holding ``len(block_ids)`` blocks into ``cache`` at ``block_ids`` along ``dim``."""
 
     cache: torch.Tensor
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]  # stored as a tuple
     dim: int = 0
     #: ``(value_start, cache_start, length)`` runs of consecutive ids: one copy per run, not per block.
     runs: tuple[tuple[int, int, int], ...] = field(init=False, repr=False)

@@ -5,8 +5,10 @@ A load moves through three states, each owned by one thread (DESIGN.md, the one 
 1. *queued* (worker): waiting for a staging buffer. When the pool answers "not now" the key stays queued, in
    order, and is retried on the next :meth:`StreamLoader.poll` -- back-pressure instead of an allocation.
 2. *fetching* (loop): ``TensorStore.get_into`` reads and validates the frame straight into the staging buffer.
-   The loop never touches CUDA. When the task ends, its future's done-callback puts the load on a
-   thread-safe deque that the worker drains in ``poll()``; nothing is scanned.
+   The loop never touches CUDA. The loads started by one ``submit``/``poll`` call are handed to the loop
+   together (one wake-up, one task per load so each can be cancelled); when a load's task ends, its
+   done-callback records the outcome and puts the load on a thread-safe deque that the worker drains in
+   ``poll()``; nothing is scanned.
 3. *copying* (worker): the worker issues the H2D copy on the side stream, records an event, and hands the
    tensor out from a later ``poll()`` once ``event.query()`` is true. The staging buffer goes back to the pool
    at the same moment (the copy has read it).
@@ -15,25 +17,28 @@ Failures -- miss, corrupt, timeout, store error, too large, device error -- come
 :class:`LoadResult` values with a reason; no exception from the store ever reaches the worker thread.
 
 Cancellation (``cancel(key)``) never frees a buffer that something may still write: a queued load is simply
-dropped; a fetching load's task is cancelled *on the loop* and its buffer is returned only when its future
-completes, i.e. after the task has really stopped (the future is not cancelled from the worker: a cancelled
-``concurrent.futures.Future`` reports "done" before the loop task has run its cancellation); a copying load
-keeps its buffer until its event fires, and its device tensor is dropped (it was allocated on the side stream,
-so the allocator cannot hand it out before the copy is done).
+dropped; a fetching load's task is cancelled *on the loop* and its buffer is returned only when the task's
+done-callback has reported it, i.e. after the task has really stopped (a cancelled
+``concurrent.futures.Future`` would report "done" before the loop task has run its cancellation); a copying
+load keeps its buffer until its event fires, and its device tensor is dropped (it was allocated on the side
+stream, so the allocator cannot hand it out before the copy is done).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import functools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from asyncconn.exceptions import DuplicateTransfer, PoolTooSmall, RuntimeClosed, TransferError
-from asyncconn.runtime import LoopFuture, Runtime, get_runtime
+from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer._device import Event, TransferDevice, default_device
 from asyncconn.transfer.dest import BlockDest, Destination, NewTensor
@@ -82,7 +87,7 @@ class _Load:
         "cancelled",
         "dest",
         "event",
-        "future",
+        "fetched",
         "key",
         "out",
         "state",
@@ -94,7 +99,7 @@ class _Load:
         self.dest = dest
         self.state = _QUEUED
         self.buf: PinnedBuffer | None = None
-        self.future: LoopFuture[_Fetched] | None = None
+        self.fetched: _Fetched | None = None  # written on the loop before the load is handed back
         self.event: Event | None = None
         self.after: Event | None = None  # default-stream work to finish before writing KV blocks
         self.out: torch.Tensor | None = None
@@ -149,19 +154,35 @@ class StreamLoader:
         Raises :class:`DuplicateTransfer` if ``key`` is already loading (cancel it first), and
         :class:`TransferError` after :meth:`close`. Store problems never raise here: they are poll results.
         """
+        self.submit_many([(key, dest)])
+
+    def submit_many(self, items: Iterable[tuple[str, Destination]]) -> None:
+        """Submit several loads with one hand-off to the loop (one wake-up for a whole step's loads).
+
+        All-or-nothing: every item is checked before any is queued.
+        """
         if self._closed:
             raise TransferError("StreamLoader is closed")
-        if key in self._loads:
-            raise DuplicateTransfer(f"{key!r} is already being loaded")
-        if not isinstance(dest, NewTensor | BlockDest):
-            raise TransferError(f"dest must be a NewTensor or a BlockDest, not {type(dest).__name__}")
-        load = _Load(key, dest)
-        if isinstance(dest, BlockDest):
-            if dest.cache.device != self.device.device:
-                raise TransferError(f"KV cache is on {dest.cache.device}, the loader copies to {self.device.device}")
-            load.after = self.device.mark()
-        self._loads[key] = load
-        self._queued.append(load)
+        loads: list[_Load] = []
+        keys: set[str] = set()
+        for key, dest in items:
+            if key in self._loads or key in keys:
+                raise DuplicateTransfer(f"{key!r} is already being loaded")
+            if not isinstance(dest, NewTensor | BlockDest):
+                raise TransferError(f"dest must be a NewTensor or a BlockDest, not {type(dest).__name__}")
+            if isinstance(dest, BlockDest) and dest.cache.device != self.device.device:
+                raise TransferError(
+                    f"KV cache is on {dest.cache.device}, the loader copies to {self.device.device}"
+                )
+            keys.add(key)
+            loads.append(_Load(key, dest))
+        if any(isinstance(load.dest, BlockDest) for load in loads):
+            after = self.device.mark()  # default-stream work queued so far may still use those blocks
+            for load in loads:
+                load.after = after
+        for load in loads:
+            self._loads[load.key] = load
+            self._queued.append(load)
         self._start_queued()
 
     def poll(self) -> list[LoadResult]:
@@ -185,10 +206,9 @@ class StreamLoader:
             self._queued.remove(load)
             load.state = _DONE
         elif load.state == _FETCHING:
-            try:
+            # A closed runtime has cancelled every task already; the future completes on its own.
+            with contextlib.suppress(RuntimeClosed):
                 self.runtime.call_soon(_cancel_on_loop, load)
-            except RuntimeClosed:
-                pass  # the runtime cancelled every task when it closed; the future completes on its own
         elif load.state == _COPYING:
             load.out = None  # allocated on the side stream: freeing it while the copy runs is safe
         return True
@@ -226,10 +246,13 @@ class StreamLoader:
             time.sleep(0.001)
         self.poll()
         if self.buffers_out:
-            log.warning("StreamLoader.close: %d staging buffers still in use after %.1fs", self.buffers_out, timeout)
+            log.warning(
+                "StreamLoader.close: %d staging buffers still out after %.1fs", self.buffers_out, timeout
+            )
 
     # -- worker side -----------------------------------------------------------------------------------
     def _start_queued(self) -> None:
+        started: list[_Load] = []
         while self._queued and self.futures_pending < self.max_inflight:
             load = self._queued[0]
             try:
@@ -239,36 +262,32 @@ class StreamLoader:
                 self._fail(load, Failure.TOO_LARGE, str(exc), self._results)
                 continue
             if buf is None:
-                return  # back-pressure: keep the order, retry on the next poll
+                break  # back-pressure: keep the order, retry on the next poll
             self._queued.popleft()
             self.buffers_out += 1
-            load.buf = buf
-            try:
-                future = self.runtime.submit(self._fetch(load, buf))
-            except RuntimeClosed as exc:
-                self._release(load)
-                self._fail(load, Failure.STORE_ERROR, f"runtime closed: {exc}", self._results)
-                continue
-            load.state = _FETCHING
-            load.future = future
             self.futures_pending += 1
-            future.add_done_callback(lambda _f, load=load: self._fetched.append(load))
+            load.buf = buf
+            load.state = _FETCHING
+            started.append(load)
+        if not started:
+            return
+        try:
+            self.runtime.submit(self._fetch_batch(started))
+        except RuntimeClosed as exc:
+            for load in started:
+                self.futures_pending -= 1
+                self._release(load)
+                if not load.cancelled:
+                    self._fail(load, Failure.STORE_ERROR, f"runtime closed: {exc}", self._results)
 
     def _on_fetched(self, load: _Load, results: list[LoadResult]) -> None:
-        future, load.future = load.future, None
-        assert future is not None and future.done()
+        fetched, load.fetched = load.fetched, None
+        assert fetched is not None
         self.futures_pending -= 1
         if load.cancelled:
             self._release(load)
             load.state = _DONE
             return
-        if future.cancelled():
-            fetched = _Fetched(Failure.STORE_ERROR, "fetch cancelled (runtime closed)")
-        elif (exc := future.exception()) is not None:
-            reason, detail = classify(exc)
-            fetched = _Fetched(reason, detail)
-        else:
-            fetched = future.result()
         if fetched.failure is not None or fetched.dtype is None:
             self._release(load)
             self._fail(load, fetched.failure or Failure.STORE_ERROR, fetched.detail, results)
@@ -277,7 +296,7 @@ class StreamLoader:
         value = load.buf.view(fetched.dtype, fetched.shape)
         try:
             if isinstance(load.dest, BlockDest):
-                load.event = self.device.copy(load.dest.pairs(value), after=load.after)
+                load.event = self.device.copy(self._scatter_pairs(load.dest, value), after=load.after)
             else:
                 load.out = self.device.empty(fetched.shape, fetched.dtype)
                 load.event = self.device.copy([(load.out, value)])
@@ -293,6 +312,22 @@ class StreamLoader:
             self._finish_copy(load, results)  # synchronous device: no need to wait for the next poll
         else:
             self._copying.append(load)
+
+    def _scatter_pairs(self, dest: BlockDest, value: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The copies that put ``value`` (host staging) into ``dest``'s blocks.
+
+        One contiguous run lands straight from pinned memory. Anything else (several runs, or K/V-first
+        layouts where a run is two strided regions) is copied whole into a device temporary at full H2D
+        speed and scattered device-to-device: a strided copy straight from host memory would go through a
+        pageable temporary, synchronously. The temporary lives on the side stream, so dropping it as soon
+        as the copies are queued is safe.
+        """
+        pairs = dest.pairs(value)
+        direct = len(pairs) == 1 and pairs[0][0].is_contiguous()
+        if direct or not self.device.scatter_via_device:
+            return pairs
+        staged = self.device.empty(value.shape, value.dtype)
+        return [(staged, value), *dest.pairs(staged)]
 
     def _finish_copy(self, load: _Load, results: list[LoadResult]) -> None:
         self.events_out -= 1
@@ -328,20 +363,55 @@ class StreamLoader:
             self.buffers_out -= 1
 
     # -- loop side -------------------------------------------------------------------------------------
+    async def _fetch_batch(self, loads: list[_Load]) -> None:
+        """Start one task per load (each cancellable on its own) and stay until all have ended.
+
+        Runs on the loop. Being one runtime task, the batch is cancelled by ``Runtime.close``; it then
+        cancels its children and waits for them, so their done-callbacks still hand every load back.
+        """
+        tasks: list[asyncio.Task[_Fetched]] = []
+        for load in loads:
+            if load.cancel_requested:  # cancelled before the loop got here: nothing was written
+                self._hand_back(load, _Fetched(Failure.STORE_ERROR, "cancelled"))
+                continue
+            assert load.buf is not None
+            task = asyncio.ensure_future(self._fetch(load, load.buf))
+            load.task = task
+            task.add_done_callback(functools.partial(self._fetch_done, load))
+            tasks.append(task)
+        if not tasks:
+            return
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            raise
+
+    def _fetch_done(self, load: _Load, task: asyncio.Task[_Fetched]) -> None:
+        """A fetch task ended (the loop is done with its buffer): record the outcome, hand the load back."""
+        load.task = None
+        if task.cancelled():
+            fetched = _Fetched(Failure.STORE_ERROR, "fetch cancelled (loader or runtime closed)")
+        elif (exc := task.exception()) is not None:
+            fetched = _Fetched(*classify(exc))
+        else:
+            fetched = task.result()
+        self._hand_back(load, fetched)
+
+    def _hand_back(self, load: _Load, fetched: _Fetched) -> None:
+        load.fetched = fetched
+        self._fetched.append(load)  # deque.append is thread-safe; the worker pops in poll()
+
     async def _fetch(self, load: _Load, buf: PinnedBuffer) -> _Fetched:
         """Read and validate ``load.key`` into ``buf``. Runs on the loop; touches no device state."""
-        if load.cancel_requested:
-            raise asyncio.CancelledError
-        load.task = asyncio.current_task()  # type: ignore[assignment]
-        try:
-            dest = load.dest
-            if isinstance(dest, BlockDest):
-                return await self._fetch_exact(load.key, buf, dest.cache.dtype, dest.value_shape)
-            if dest.shape is not None and dest.dtype is not None:
-                return await self._fetch_exact(load.key, buf, dest.dtype, dest.shape)
-            return await self._fetch_any(load.key, buf)
-        finally:
-            load.task = None
+        dest = load.dest
+        if isinstance(dest, BlockDest):
+            return await self._fetch_exact(load.key, buf, dest.cache.dtype, dest.value_shape)
+        if dest.shape is not None and dest.dtype is not None:
+            return await self._fetch_exact(load.key, buf, dest.dtype, dest.shape)
+        return await self._fetch_any(load.key, buf)
 
     async def _fetch_exact(
         self, key: str, buf: PinnedBuffer, dtype: torch.dtype, shape: tuple[int, ...]
@@ -357,7 +427,8 @@ class StreamLoader:
             return await self._why_not(key, "")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > buf.nbytes:
-            return _Fetched(Failure.TOO_LARGE, f"value is {nbytes} bytes, NewTensor.max_nbytes is {buf.nbytes}")
+            detail = f"value is {nbytes} bytes, NewTensor.max_nbytes is {buf.nbytes}"
+            return _Fetched(Failure.TOO_LARGE, detail)
         if nbytes:
             buf.storage[:nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
         return _Fetched(dtype=tensor.dtype, shape=tuple(tensor.shape))

@@ -1,0 +1,43 @@
+"""``asyncconn bench transfer`` runs end to end on the CPU with tiny sizes and reports every CPU figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncconn.cli.main import main
+
+
+def test_bench_transfer_json_reports_cpu_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "transfer", "--json", "--loads", "20", "--saves", "64", "--save-batch", "16"]
+    code = main(
+        [*argv, "--repeat", "1", "--put-latency", "5ms", "--load-size", "4KiB", "--save-size", "4KiB"]
+    )
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    loader, saver = result["loader_cpu"], result["saver_cpu"]
+    assert loader["loads"] == 20 and loader["value_bytes"] == 4096
+    for key in ("loader_loads_per_s", "gather_loads_per_s", "submit_p99_us", "poll_us_per_result_p50"):
+        assert loader[key] > 0
+    assert saver["saves"] == 64 and saver["put_latency_ms"] == 5.0
+    for key in ("submit_p50_us", "submit_p99_us", "flush_p99_us", "tracker_saves_per_s_no_latency"):
+        assert saver[key] > 0
+    assert saver["request_reported_after_ms_p50"] >= 5.0  # a put cannot be reported before the store answers
+    if not result["machine"]["cuda"]:
+        assert result["gpu"].startswith("not run")
+
+
+def test_bench_transfer_human_output(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "transfer", "--loads", "5", "--saves", "8", "--save-batch", "4", "--repeat", "1"]
+    assert main([*argv, "--put-latency", "1ms", "--load-size", "1KiB", "--save-size", "1KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "loader_cpu:" in out and "saver_cpu:" in out and "submit_p99_us" in out
+
+
+@pytest.mark.parametrize("bad", [["--repeat", "0"], ["--loads", "-3"], ["--save-size", "lots"]])
+def test_bad_arguments_are_usage_errors(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "transfer", *bad])
+    assert exc.value.code == 2
+    assert bad[0] in capsys.readouterr().err

@@ -1,0 +1,401 @@
+"""StreamLoader on the CPU device: new tensors, KV scatters, failures as values, cancel, back-pressure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncconn import codec
+from asyncconn.exceptions import ConfigError, DuplicateTransfer, TransferError
+from asyncconn.runtime import Runtime
+from asyncconn.store import TensorStore
+from asyncconn.transfer import BlockDest, CpuDevice, Failure, NewTensor, PinnedPool, StreamLoader
+from backends.memory import MemoryBackend
+from tests.transfer.fakes import GatedBackend
+from tests.transfer.helpers import drain_loads, same_bytes, wait_until
+
+
+def make_loader(store: TensorStore, runtime: Runtime, capacity: int = 1 << 22, **kw: int) -> StreamLoader:
+    return StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(capacity), **kw)
+
+
+def assert_idle(loader: StreamLoader) -> None:
+    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    assert loader.pool.buffers_out == 0
+    assert loader.pending() == 0
+
+
+# -- happy paths ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+def test_load_into_new_tensor_with_declared_shape(
+    runtime: Runtime, store: TensorStore, dtype: torch.dtype
+) -> None:
+    value = (torch.randn(17, 33) * 100).to(dtype)
+    runtime.run(store.put([("emb", value)]))
+    loader = make_loader(store, runtime)
+    loader.submit("emb", NewTensor(tuple(value.shape), dtype))
+    (result,) = drain_loads(loader, 1).values()
+    assert result.ok and result.failure is None
+    assert result.tensor is not None and same_bytes(result.tensor, value)
+    assert result.tensor.data_ptr() != 0
+    assert loader.loaded == 1 and loader.loaded_bytes == value.numel() * value.element_size()
+    assert_idle(loader)
+
+
+def test_load_into_new_tensor_takes_dtype_and_shape_from_the_frame(
+    runtime: Runtime, store: TensorStore
+) -> None:
+    value = torch.arange(24, dtype=torch.int16).reshape(2, 3, 4)
+    runtime.run(store.put([("frame", value)]))
+    loader = make_loader(store, runtime)
+    loader.submit("frame", NewTensor(max_nbytes=1024))
+    (result,) = drain_loads(loader, 1).values()
+    assert result.tensor is not None and same_bytes(result.tensor, value)
+    assert_idle(loader)
+
+
+def test_the_returned_tensor_does_not_alias_the_staging_buffer(runtime: Runtime, store: TensorStore) -> None:
+    a, b = torch.full((64,), 1.0), torch.full((64,), 2.0)
+    runtime.run(store.put([("a", a), ("b", b)]))
+    loader = make_loader(store, runtime, capacity=4096)  # one buffer: b reuses a's staging memory
+    loader.submit("a", NewTensor((64,), torch.float32))
+    first = drain_loads(loader, 1)["a"].tensor
+    loader.submit("b", NewTensor((64,), torch.float32))
+    second = drain_loads(loader, 1)["b"].tensor
+    assert first is not None and second is not None
+    assert torch.equal(first, a) and torch.equal(second, b)
+    assert loader.pool.allocations == 1
+
+
+def test_scatter_into_kv_blocks_along_dim0(runtime: Runtime, store: TensorStore) -> None:
+    cache = torch.zeros(10, 4, 2)
+    value = torch.randn(4, 4, 2)
+    runtime.run(store.put([("layer0", value)]))
+    loader = make_loader(store, runtime)
+    ids = (7, 2, 3, 4)  # runs: [7], [2, 3, 4]
+    loader.submit("layer0", BlockDest(cache, ids))
+    (result,) = drain_loads(loader, 1).values()
+    assert result.ok and result.tensor is None
+    for i, block in enumerate(ids):
+        assert same_bytes(cache[block], value[i])
+    untouched = [b for b in range(10) if b not in ids]
+    assert torch.count_nonzero(cache[untouched]) == 0
+    assert_idle(loader)
+
+
+def test_scatter_into_kv_blocks_along_dim1_kv_layout(runtime: Runtime, store: TensorStore) -> None:
+    cache = torch.zeros(2, 8, 3, 5, dtype=torch.float16)  # [K/V, num_blocks, block_size, head]
+    value = torch.randn(2, 3, 3, 5).to(torch.float16)
+    runtime.run(store.put([("layer1", value)]))
+    loader = make_loader(store, runtime)
+    loader.submit("layer1", BlockDest(cache, [5, 0, 1], dim=1))
+    assert drain_loads(loader, 1)["layer1"].ok
+    assert same_bytes(cache[:, 5], value[:, 0])
+    assert same_bytes(cache[:, 0:2], value[:, 1:3])
+    assert torch.count_nonzero(cache[:, 2:5]) == 0 and torch.count_nonzero(cache[:, 6:]) == 0
+
+
+class _ScatterViaDevice(CpuDevice):
+    """The CUDA scatter strategy (whole value to a device temporary, then runs) run on CPU tensors."""
+
+    scatter_via_device = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[int] = []
+
+    def copy(self, pairs, *, after=None):  # type: ignore[no-untyped-def]
+        self.copies.append(len(pairs))
+        return super().copy(pairs, after=after)
+
+
+def test_scatter_via_a_device_temporary_lands_the_same_bytes(runtime: Runtime, store: TensorStore) -> None:
+    cache = torch.zeros(2, 8, 3, 5)
+    value = torch.randn(2, 3, 3, 5)
+    runtime.run(store.put([("layer", value)]))
+    device = _ScatterViaDevice()
+    loader = StreamLoader(store, runtime=runtime, device=device, pool=PinnedPool(1 << 20))
+    loader.submit("layer", BlockDest(cache, (6, 0, 1), dim=1))
+    assert drain_loads(loader, 1)["layer"].ok
+    assert device.copies == [1 + 2]  # one H2D of the whole value, then one copy per run
+    assert same_bytes(cache[:, 6], value[:, 0]) and same_bytes(cache[:, 0:2], value[:, 1:3])
+    assert torch.count_nonzero(cache[:, 2:6]) == 0 and torch.count_nonzero(cache[:, 7]) == 0
+    flat = torch.zeros(8, 4)
+    runtime.run(store.put([("run", torch.ones(2, 4))]))
+    loader.submit("run", BlockDest(flat, (3, 4)))
+    assert drain_loads(loader, 1)["run"].ok
+    assert device.copies[-1] == 1  # one contiguous run: straight from staging
+    assert torch.equal(flat[3:5], torch.ones(2, 4)) and torch.count_nonzero(flat) == 8
+    assert_idle(loader)
+
+
+def test_block_dest_merges_consecutive_ids_into_runs() -> None:
+    dest = BlockDest(torch.zeros(16, 2), (3, 4, 5, 9, 10, 0))
+    assert dest.runs == ((0, 3, 3), (3, 9, 2), (5, 0, 1))
+    assert dest.value_shape == (6, 2)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: BlockDest(torch.zeros(4, 2), (4,)), "out of range"),
+        (lambda: BlockDest(torch.zeros(4, 2), (1, 1)), "repeats"),
+        (lambda: BlockDest(torch.zeros(4, 2), ()), "empty"),
+        (lambda: BlockDest(torch.zeros(4, 2), (0,), dim=2), "dim"),
+        (lambda: NewTensor((3,), None), "both"),
+        (lambda: NewTensor(), "max_nbytes"),
+        (lambda: NewTensor((-1,), torch.float32), "negative"),
+    ],
+)
+def test_bad_destinations_are_refused_when_built(make: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make()  # type: ignore[operator]
+
+
+# -- failures come back as values ----------------------------------------------------------------------
+def test_miss_is_a_failure_result(runtime: Runtime, store: TensorStore) -> None:
+    loader = make_loader(store, runtime)
+    loader.submit("absent", NewTensor((4,), torch.float32))
+    loader.submit("absent-any", NewTensor(max_nbytes=64))
+    results = drain_loads(loader, 2)
+    assert {r.failure for r in results.values()} == {Failure.MISS}
+    assert all(r.tensor is None for r in results.values())
+    assert loader.failures[Failure.MISS] == 2
+    assert_idle(loader)
+
+
+def test_corrupt_value_is_a_failure_and_never_reaches_the_destination(
+    runtime: Runtime, store: TensorStore
+) -> None:
+    good = torch.randn(8, 4)
+    frame = bytearray(codec.encode(good))
+    frame[-1] ^= 0xFF  # flip a payload bit: checksum mismatch
+    runtime.run(store.backend.put([("flipped", bytes(frame)), ("garbage", b"not a frame at all")]))
+    runtime.run(store.put([("wrong-dtype", good.to(torch.float16))]))
+    cache = torch.zeros(4, 8, 4)
+    loader = make_loader(store, runtime)
+    loader.submit("flipped", BlockDest(cache, (1,)))
+    loader.submit("garbage", NewTensor((8, 4), torch.float32))
+    loader.submit("wrong-dtype", NewTensor((8, 4), torch.float32))
+    results = drain_loads(loader, 3)
+    assert {k: r.failure for k, r in results.items()} == dict.fromkeys(results, Failure.CORRUPT)
+    assert torch.count_nonzero(cache) == 0  # the flipped payload was never copied into the KV cache
+    assert store.stats.corrupt == 3
+    assert_idle(loader)
+
+
+def test_value_over_max_nbytes_is_too_large(runtime: Runtime, store: TensorStore) -> None:
+    runtime.run(store.put([("big", torch.zeros(1024))]))
+    loader = make_loader(store, runtime)
+    loader.submit("big", NewTensor(max_nbytes=100))
+    assert drain_loads(loader, 1)["big"].failure is Failure.TOO_LARGE
+    assert_idle(loader)
+
+
+def test_value_larger_than_the_pool_is_too_large_not_queued_forever(
+    runtime: Runtime, store: TensorStore
+) -> None:
+    loader = make_loader(store, runtime, capacity=8192)
+    loader.submit("huge", NewTensor((1 << 20,), torch.uint8))
+    assert drain_loads(loader, 1)["huge"].failure is Failure.TOO_LARGE
+    assert_idle(loader)
+
+
+def test_store_timeout_is_a_timeout_failure(runtime: Runtime) -> None:
+    slow = TensorStore(MemoryBackend(latency=5.0), timeout=0.05)
+    loader = make_loader(slow, runtime)
+    loader.submit("k", NewTensor((4,), torch.float32))
+    result = drain_loads(loader, 1)["k"]
+    assert result.failure is Failure.TIMEOUT and "BackendTimeout" in result.detail
+    assert_idle(loader)
+
+
+def test_store_error_is_a_store_error_failure(runtime: Runtime) -> None:
+    backend = MemoryBackend()
+    closed = TensorStore(backend)
+    runtime.run(closed.close())
+    loader = make_loader(closed, runtime)
+    loader.submit("k", NewTensor((4,), torch.float32))
+    result = drain_loads(loader, 1)["k"]
+    assert result.failure is Failure.STORE_ERROR and "closed" in result.detail
+    assert_idle(loader)
+
+
+def test_closed_runtime_is_a_store_error_not_an_exception(store: TensorStore) -> None:
+    rt = Runtime(name="closed").start()
+    rt.close()
+    loader = StreamLoader(store, runtime=rt, device=CpuDevice(), pool=PinnedPool(1 << 16))
+    loader.submit("k", NewTensor((4,), torch.float32))
+    assert loader.poll()[0].failure is Failure.STORE_ERROR
+    assert_idle(loader)
+
+
+# -- misuse --------------------------------------------------------------------------------------------
+def test_duplicate_key_in_flight_is_refused_until_cancelled(
+    runtime: Runtime, gated_store: TensorStore
+) -> None:
+    loader = make_loader(gated_store, runtime)
+    loader.submit("k", NewTensor((4,), torch.float32))
+    with pytest.raises(DuplicateTransfer):
+        loader.submit("k", NewTensor((4,), torch.float32))
+    assert loader.cancel("k")
+    loader.submit("k", NewTensor((4,), torch.float32))  # a fresh load of the same key is fine now
+    loader.close()
+    assert_idle(loader)
+    with pytest.raises(TransferError, match="closed"):
+        loader.submit("k", NewTensor((4,), torch.float32))
+
+
+def test_kv_cache_on_another_device_is_refused(runtime: Runtime, store: TensorStore) -> None:
+    loader = make_loader(store, runtime)
+    with pytest.raises(TransferError):
+        loader.submit("k", BlockDest(torch.zeros(4, 2, device="meta"), (0,)))
+    assert_idle(loader)
+
+
+# -- cancellation --------------------------------------------------------------------------------------
+def test_cancel_while_queued_releases_nothing_and_reports_nothing(
+    runtime: Runtime, gated_store: TensorStore
+) -> None:
+    loader = make_loader(gated_store, runtime, capacity=4096)
+    loader.submit("first", NewTensor((1024,), torch.float32))  # takes the only buffer
+    loader.submit("second", NewTensor((1024,), torch.float32))  # queued behind it
+    assert loader.counters()["queued"] == 1
+    assert loader.cancel("second")
+    assert not loader.cancel("second")
+    assert loader.counters()["queued"] == 0
+    loader.close()
+    assert_idle(loader)
+
+
+def test_cancel_mid_fetch_keeps_the_buffer_until_the_fetch_really_stopped(
+    runtime: Runtime, gated: GatedBackend, gated_store: TensorStore
+) -> None:
+    gated.write_after_cancel = True  # the client keeps writing into the staging buffer after the cancel
+    gated.data["k"] = codec.encode(torch.ones(1024))
+    gated.data["other"] = codec.encode(torch.full((1024,), 7.0))
+    loader = make_loader(gated_store, runtime, capacity=4096)  # exactly one staging buffer
+    loader.submit("k", NewTensor((1024,), torch.float32))
+    assert gated.entered.wait(5)
+    assert loader.cancel("k")
+    assert gated.cancel_seen.wait(5)  # the task got the cancel ... but is still writing
+    loader.submit("other", NewTensor((1024,), torch.float32))
+    for _ in range(20):
+        assert loader.poll() == []
+    # The buffer is still on loan to the cancelled fetch: the new load waits instead of sharing it.
+    assert loader.counters() == {"queued": 1, "buffers_out": 1, "events_out": 0, "futures_pending": 1}
+    runtime.call_soon(gated.gate.set)
+    results = drain_loads(loader, 1)
+    assert gated.late_writes == 1
+    assert list(results) == ["other"]  # nothing is reported for the cancelled key
+    other = results["other"].tensor
+    assert other is not None and torch.equal(other, torch.full((1024,), 7.0))  # no 0xEE bytes leaked in
+    assert_idle(loader)
+    assert loader.cancelled == 1
+
+
+def test_cancel_before_the_fetch_task_starts(runtime: Runtime, store: TensorStore) -> None:
+    runtime.run(store.put([("k", torch.ones(4))]))
+    loader = make_loader(store, runtime)
+    for i in range(200):  # some of these cancels land before the loop has started the task
+        loader.submit("k", NewTensor((4,), torch.float32))
+        assert loader.cancel("k")
+        if i % 50 == 0:
+            loader.poll()
+    wait_until(lambda: (loader.poll(), loader.counters()["futures_pending"] == 0)[1], "cancelled fetches")
+    assert loader.poll() == []
+    assert_idle(loader)
+
+
+def test_close_cancels_in_flight_loads_and_returns_buffers(
+    runtime: Runtime, gated_store: TensorStore
+) -> None:
+    loader = make_loader(gated_store, runtime)
+    for i in range(5):
+        loader.submit(f"k{i}", NewTensor((16,), torch.float32))
+    assert loader.counters()["futures_pending"] == 5
+    loader.close()
+    assert_idle(loader)
+    loader.close()  # idempotent
+
+
+# -- back-pressure -------------------------------------------------------------------------------------
+def test_pool_exhaustion_queues_loads_in_order_then_all_complete(
+    runtime: Runtime, gated: GatedBackend
+) -> None:
+    store = TensorStore(gated)
+    values = {f"k{i}": torch.full((1024,), float(i)) for i in range(6)}
+    gated.data.update({k: codec.encode(v) for k, v in values.items()})
+    loader = make_loader(store, runtime, capacity=8192)  # two 4 KiB buffers for six loads
+    for key in values:
+        loader.submit(key, NewTensor((1024,), torch.float32))
+    assert loader.counters() == {"queued": 4, "buffers_out": 2, "events_out": 0, "futures_pending": 2}
+    assert loader.pool.refusals >= 1
+    assert loader.pool.bytes_reserved <= 8192
+    runtime.call_soon(gated.gate.set)
+    results = drain_loads(loader, 6)
+    assert sorted(results) == sorted(values)
+    for key, value in values.items():
+        tensor = results[key].tensor
+        assert tensor is not None and torch.equal(tensor, value)
+    assert loader.pool.allocations == 2  # steady state reuses the two buffers
+    assert_idle(loader)
+
+
+def test_max_inflight_bounds_fetches_on_the_loop(runtime: Runtime, gated_store: TensorStore) -> None:
+    loader = make_loader(gated_store, runtime, max_inflight=3)
+    for i in range(10):
+        loader.submit(f"k{i}", NewTensor((4,), torch.float32))
+    assert loader.counters()["futures_pending"] == 3 and loader.counters()["queued"] == 7
+    loader.close()
+    assert_idle(loader)
+
+
+class _BrokenDevice(CpuDevice):
+    """A device whose copies fail the way torch reports CUDA errors (RuntimeError, e.g. out of memory)."""
+
+    def copy(self, pairs, *, after=None):  # type: ignore[no-untyped-def]
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+def test_device_error_is_a_failure_and_frees_the_staging_buffer(runtime: Runtime, store: TensorStore) -> None:
+    runtime.run(store.put([("k", torch.ones(4))]))
+    loader = StreamLoader(store, runtime=runtime, device=_BrokenDevice(), pool=PinnedPool(1 << 16))
+    loader.submit("k", NewTensor((4,), torch.float32))
+    result = drain_loads(loader, 1)["k"]
+    assert result.failure is Failure.DEVICE_ERROR and "out of memory" in result.detail
+    assert_idle(loader)
+
+
+def test_submit_many_hands_a_whole_step_over_at_once(runtime: Runtime, store: TensorStore) -> None:
+    values = {f"k{i}": torch.full((8,), float(i)) for i in range(10)}
+    runtime.run(store.put(values.items()))
+    loader = make_loader(store, runtime)
+    loader.submit_many((key, NewTensor((8,), torch.float32)) for key in values)
+    results = drain_loads(loader, 10)
+    for key, value in values.items():
+        tensor = results[key].tensor
+        assert tensor is not None and torch.equal(tensor, value)
+    assert_idle(loader)
+
+
+def test_submit_many_is_all_or_nothing(runtime: Runtime, store: TensorStore) -> None:
+    loader = make_loader(store, runtime)
+    with pytest.raises(DuplicateTransfer):
+        loader.submit_many([("a", NewTensor((1,), torch.float32)), ("a", NewTensor((1,), torch.float32))])
+    assert loader.pending() == 0
+    assert_idle(loader)
+
+
+def test_runtime_closing_mid_fetch_fails_the_loads_and_returns_buffers(
+    gated: GatedBackend, gated_store: TensorStore
+) -> None:
+    rt = Runtime(name="closing").start()
+    loader = StreamLoader(gated_store, runtime=rt, device=CpuDevice(), pool=PinnedPool(1 << 16))
+    loader.submit_many((f"k{i}", NewTensor((4,), torch.float32)) for i in range(3))
+    assert gated.entered.wait(5)  # the fetches are running on the loop
+    rt.close()  # cancels the batch task, which cancels and awaits its fetches
+    results = drain_loads(loader, 3)
+    assert {r.failure for r in results.values()} == {Failure.STORE_ERROR}
+    assert all("cancelled" in r.detail for r in results.values())
+    assert_idle(loader)

@@ -1,0 +1,235 @@
+"""SaveTracker on the CPU device: deferred puts, per-request completion, duplicates, failures, wait, leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncconn.exceptions import TransferError
+from asyncconn.runtime import Runtime
+from asyncconn.store import TensorStore
+from asyncconn.transfer import CpuDevice, Failure, PinnedPool, SaveTracker
+from backends.memory import MemoryBackend
+from tests.transfer.fakes import GatedBackend
+from tests.transfer.helpers import drain_saves, same_bytes
+
+
+def make_tracker(store: TensorStore, runtime: Runtime, capacity: int = 1 << 22, **kw: object) -> SaveTracker:
+    return SaveTracker(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(capacity), **kw)  # type: ignore[arg-type]
+
+
+def assert_idle(tracker: SaveTracker) -> None:
+    assert tracker.counters() == {
+        "requests": 0,
+        "queued": 0,
+        "buffers_out": 0,
+        "events_out": 0,
+        "futures_pending": 0,
+        "inflight_keys": 0,
+    }
+    assert tracker.pool.buffers_out == 0
+
+
+def stored(runtime: Runtime, store: TensorStore, key: str) -> torch.Tensor | None:
+    return runtime.run(store.get([key]))[0]
+
+
+def test_saves_are_deferred_and_reported_once_per_request(runtime: Runtime, gated: GatedBackend) -> None:
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime)
+    a, b, c = torch.randn(8, 4), torch.randn(3).to(torch.bfloat16), torch.arange(5)
+    assert tracker.submit("r1", "ka", a)
+    assert tracker.submit("r1", "kb", b)
+    assert tracker.submit("r2", "kc", c)
+    assert not gated.entered.is_set()  # submit never reaches the loop: flush() hands saves over
+    assert tracker.pending("r1") == 2 and tracker.pending("r2") == 1  # pending() flushes
+    assert gated.entered.wait(5)  # the puts are running, and the store acknowledges nothing yet
+    assert tracker.poll_finished() == set()
+    runtime.call_soon(gated.gate.set)
+    assert drain_saves(tracker, {"r1", "r2"}) == {"r1", "r2"}
+    for key, value in (("ka", a), ("kb", b), ("kc", c)):
+        back = stored(runtime, store, key)
+        assert back is not None and same_bytes(back, value)
+    assert tracker.poll_finished() == set()  # reported once
+    assert tracker.pending("r1") == 0
+    assert tracker.saved == 3 and tracker.saved_bytes == 8 * 4 * 4 + 3 * 2 + 5 * 8
+    assert_idle(tracker)
+
+
+def test_submit_snapshots_the_tensor(runtime: Runtime, gated: GatedBackend) -> None:
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime)
+    value = torch.ones(16)
+    tracker.submit("r", "k", value)
+    value.fill_(-1.0)  # the caller reuses its memory right after submit
+    runtime.call_soon(gated.gate.set)
+    drain_saves(tracker, {"r"})
+    back = stored(runtime, store, "k")
+    assert back is not None and torch.equal(back, torch.ones(16))
+    assert_idle(tracker)
+
+
+def test_non_contiguous_tensor_is_saved_as_its_values(runtime: Runtime, store: TensorStore) -> None:
+    tracker = make_tracker(store, runtime)
+    base = torch.randn(6, 8)
+    view = base[:, ::2].t()  # strided
+    tracker.submit("r", "k", view)
+    drain_saves(tracker, {"r"})
+    back = stored(runtime, store, "k")
+    assert back is not None and torch.equal(back, view)
+
+
+def test_duplicate_keys_are_not_resent(runtime: Runtime, gated: GatedBackend) -> None:
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime)
+    value = torch.randn(4)
+    assert tracker.submit("r1", "shared", value)
+    assert not tracker.submit("r2", "shared", value)  # in flight for r1
+    runtime.call_soon(gated.gate.set)
+    assert drain_saves(tracker, {"r1", "r2"}) == {"r1", "r2"}
+    assert not tracker.submit("r3", "shared", value)  # saved recently
+    assert tracker.poll_finished() == {"r3"}  # a request whose only save was skipped is done at once
+    assert gated.puts == 1 and tracker.skipped == 2
+    assert_idle(tracker)
+
+
+def test_keys_already_in_the_store_are_checked_not_rewritten(runtime: Runtime, gated: GatedBackend) -> None:
+    runtime.call_soon(gated.gate.set)
+    store = TensorStore(gated)
+    runtime.run(store.put([("old", torch.zeros(4))]))
+    tracker = make_tracker(store, runtime)  # a fresh tracker: its recent set does not know "old"
+    assert tracker.submit("r", "old", torch.ones(4))
+    drain_saves(tracker, {"r"})
+    assert gated.puts == 1 and tracker.skipped_existing == 1 and tracker.saved == 0
+    back = stored(runtime, store, "old")
+    assert back is not None and torch.equal(back, torch.zeros(4))
+    assert_idle(tracker)
+
+
+def test_recent_set_is_bounded(runtime: Runtime, store: TensorStore) -> None:
+    tracker = make_tracker(store, runtime, recent_keys=4, skip_existing=False)
+    for i in range(10):
+        tracker.submit(f"r{i}", f"k{i}", torch.tensor([i]))
+    drain_saves(tracker, {f"r{i}" for i in range(10)})
+    assert len(tracker._recent) == 4
+    assert tracker.submit("again", "k0", torch.tensor([0]))  # forgotten, so sent again (exists is off)
+    drain_saves(tracker, {"again"})
+    assert tracker.saved == 11
+
+
+def test_store_failure_mid_save_is_counted_and_the_request_still_finishes(
+    runtime: Runtime, gated: GatedBackend
+) -> None:
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime)
+    tracker.submit("r", "k1", torch.randn(4))
+    tracker.submit("r", "k2", torch.randn(4))
+    tracker.flush()
+    assert gated.entered.wait(5)
+    gated.fail_puts = True  # the store goes away while both puts are in flight
+    runtime.call_soon(gated.gate.set)
+    assert drain_saves(tracker, {"r"}) == {"r"}
+    assert tracker.failures[Failure.STORE_ERROR] == 2
+    assert tracker.requests_failed == 1 and tracker.saved == 0
+    assert store.stats.errors == 1  # both saves went out in one batch put
+    # A failed key is not remembered as saved: a later request may try again.
+    gated.fail_puts = False
+    assert tracker.submit("r-retry", "k1", torch.randn(4))
+    drain_saves(tracker, {"r-retry"})
+    assert tracker.saved == 1
+    assert_idle(tracker)
+
+
+def test_saves_are_batched_into_one_exists_and_one_put(runtime: Runtime, gated: GatedBackend) -> None:
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime, put_batch=4)
+    for i in range(10):
+        tracker.submit(f"r{i % 3}", f"k{i}", torch.tensor([i]))
+    runtime.call_soon(gated.gate.set)
+    drain_saves(tracker, {"r0", "r1", "r2"})
+    assert gated.puts == 3  # 10 saves in batches of 4
+    assert tracker.saved == 10 and len(gated.data) == 10
+    assert_idle(tracker)
+
+
+def test_store_timeout_is_counted(runtime: Runtime) -> None:
+    store = TensorStore(MemoryBackend(latency=5.0), timeout=0.05)
+    tracker = make_tracker(store, runtime)
+    tracker.submit("r", "k", torch.randn(4))
+    drain_saves(tracker, {"r"})
+    assert tracker.failures[Failure.TIMEOUT] == 1
+    assert_idle(tracker)
+
+
+def test_tensor_larger_than_the_pool_fails_that_save_only(runtime: Runtime, store: TensorStore) -> None:
+    tracker = make_tracker(store, runtime, capacity=8192)
+    tracker.submit("r", "huge", torch.zeros(1 << 16))
+    tracker.submit("r", "small", torch.zeros(4))
+    drain_saves(tracker, {"r"})
+    assert tracker.failures[Failure.TOO_LARGE] == 1 and tracker.saved == 1
+    assert_idle(tracker)
+
+
+def test_pool_exhaustion_queues_snapshots_then_progresses(runtime: Runtime, gated: GatedBackend) -> None:
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime, capacity=8192)  # two 4 KiB staging buffers
+    values = {f"k{i}": torch.full((1024,), float(i)) for i in range(5)}
+    for i, (key, value) in enumerate(values.items()):
+        tracker.submit(f"r{i}", key, value)
+    assert tracker.counters()["queued"] == 3 and tracker.counters()["buffers_out"] == 2
+    runtime.call_soon(gated.gate.set)
+    drain_saves(tracker, {f"r{i}" for i in range(5)})
+    for key, value in values.items():
+        back = stored(runtime, store, key)
+        assert back is not None and torch.equal(back, value)
+    assert tracker.pool.allocations == 2
+    assert_idle(tracker)
+
+
+def test_wait_blocks_for_the_given_request_only(runtime: Runtime) -> None:
+    fast = GatedBackend()
+    fast.only_keys = {"k2"}  # k2's put hangs until the gate opens, k1's goes through
+    store = TensorStore(fast)
+    tracker = make_tracker(store, runtime, put_batch=1)  # one put per save: k1 is not held up by k2
+    tracker.submit("preempted", "k1", torch.randn(4))
+    tracker.submit("other", "k2", torch.randn(4))
+    assert tracker.wait(["preempted"], timeout=5.0) == {"preempted"}
+    assert tracker.wait(["other", "unknown"], timeout=0.05) == set()  # gated: not done, not hung either
+    assert tracker.pending("other") == 1
+    runtime.call_soon(fast.gate.set)
+    assert drain_saves(tracker, {"other"}) == {"other"}  # "preempted" was consumed by wait()
+    assert_idle(tracker)
+
+
+def test_close_cancels_hung_saves_and_returns_buffers(runtime: Runtime, gated: GatedBackend) -> None:
+    tracker = make_tracker(TensorStore(gated), runtime, capacity=4096)
+    tracker.submit("r1", "k1", torch.zeros(1024))
+    tracker.submit("r2", "k2", torch.zeros(1024))  # queued: the only buffer is taken
+    tracker.close(timeout=0.05)
+    assert tracker.failures[Failure.STORE_ERROR] == 2
+    assert_idle(tracker)
+    with pytest.raises(TransferError, match="closed"):
+        tracker.submit("r3", "k3", torch.zeros(1))
+
+
+def test_closed_runtime_fails_saves_without_raising(store: TensorStore) -> None:
+    rt = Runtime(name="closed").start()
+    rt.close()
+    tracker = SaveTracker(store, runtime=rt, device=CpuDevice(), pool=PinnedPool(1 << 16))
+    tracker.submit("r", "k", torch.zeros(4))
+    assert tracker.poll_finished() == {"r"}
+    assert tracker.failures[Failure.STORE_ERROR] == 1
+    assert_idle(tracker)
+
+
+def test_runtime_closing_mid_put_fails_the_saves_and_returns_buffers(gated: GatedBackend) -> None:
+    rt = Runtime(name="closing").start()
+    tracker = SaveTracker(TensorStore(gated), runtime=rt, device=CpuDevice(), pool=PinnedPool(1 << 16))
+    tracker.submit("r", "k1", torch.zeros(4))
+    tracker.submit("r", "k2", torch.zeros(4))
+    tracker.flush()
+    assert gated.entered.wait(5)
+    rt.close()
+    assert drain_saves(tracker, {"r"}) == {"r"}
+    assert tracker.failures[Failure.STORE_ERROR] == 2 and tracker.requests_failed == 1
+    assert_idle(tracker)
