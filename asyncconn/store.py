@@ -8,6 +8,7 @@ timeout so a hung store degrades to :class:`BackendTimeout`, never to a hang.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -20,12 +21,20 @@ from asyncconn.backend import StorageBackend, open_backend
 from asyncconn.exceptions import BackendError, BackendTimeout, CodecError, FrameMismatch
 from asyncconn.url import StoreURL, parse_url, redact
 
-__all__ = ["StoreStats", "TensorStore"]
+__all__ = ["Fetch", "StoreStats", "TensorStore"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 5.0
+
+
+class Fetch(enum.Enum):
+    """Outcome of reading one value into a caller's buffer."""
+
+    HIT = "hit"
+    MISS = "miss"
+    CORRUPT = "corrupt"  # present but not a valid frame for the destination (counted in stats.corrupt)
 
 
 @dataclass
@@ -112,22 +121,27 @@ class TensorStore:
         Backends that read into caller memory land the payload straight in ``out`` (one copy); others are
         decoded from their chunks into ``out`` after validation (one copy from the client's buffers).
         """
+        return await self.read_into(key, out) is Fetch.HIT
+
+    async def read_into(self, key: str, out: torch.Tensor) -> Fetch:
+        """:meth:`get_into` that also tells a miss from a bad value (a loader reports them differently)."""
         if self.backend.reads_into and out.is_contiguous() and out.device.type == "cpu":
-            ok = await self._get_into_direct(key, out)
+            status = await self._get_into_direct(key, out)
         else:
             (chunks,) = await self._call(self.backend.get([key]), "get")
-            ok = False
+            status = Fetch.MISS
             if chunks is not None:
                 try:
                     codec.decode_into(chunks, out, max_payload=self.max_payload)
-                    ok = True
+                    status = Fetch.HIT
                     self.stats.bytes_read += sum(memoryview(c).nbytes for c in chunks)
                 except CodecError as exc:
                     self._corrupt(key, exc)
-        self._count(ok)
-        return ok
+                    status = Fetch.CORRUPT
+        self._count(status is Fetch.HIT)
+        return status
 
-    async def _get_into_direct(self, key: str, out: torch.Tensor) -> bool:
+    async def _get_into_direct(self, key: str, out: torch.Tensor) -> Fetch:
         header_buf = bytearray(codec.header_size(out.dim()))
         payload = codec.tensor_bytes(out)
         verifier = codec.FrameVerifier(out, max_payload=self.max_payload)
@@ -136,7 +150,7 @@ class TensorStore:
                 self.backend.get_into(key, [memoryview(header_buf), payload], verifier.feed), "get"
             )
             if length is None:
-                return False
+                return Fetch.MISS
             if length != len(header_buf) + payload.nbytes:
                 raise FrameMismatch(
                     f"stored value is {length} bytes; a frame of {out.dtype}{list(out.shape)} is "
@@ -145,9 +159,9 @@ class TensorStore:
             verifier.finish()
         except CodecError as exc:
             self._corrupt(key, exc)
-            return False
+            return Fetch.CORRUPT
         self.stats.bytes_read += length
-        return True
+        return Fetch.HIT
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:

@@ -39,7 +39,7 @@ import torch
 
 from asyncconn.exceptions import DuplicateTransfer, PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import Runtime, get_runtime
-from asyncconn.store import TensorStore
+from asyncconn.store import Fetch, TensorStore
 from asyncconn.transfer._device import Event, TransferDevice, default_device
 from asyncconn.transfer.dest import BlockDest, Destination, NewTensor
 from asyncconn.transfer.failures import Failure, classify
@@ -416,9 +416,12 @@ class StreamLoader:
     async def _fetch_exact(
         self, key: str, buf: PinnedBuffer, dtype: torch.dtype, shape: tuple[int, ...]
     ) -> _Fetched:
-        if await self.store.get_into(key, buf.view(dtype, shape)):
+        status = await self.store.read_into(key, buf.view(dtype, shape))
+        if status is Fetch.HIT:
             return _Fetched(dtype=dtype, shape=shape)
-        return await self._why_not(key, f"expected {dtype}{list(shape)}")
+        if status is Fetch.CORRUPT:
+            return _Fetched(Failure.CORRUPT, f"value is not a valid frame, expected {dtype}{list(shape)}")
+        return _Fetched(Failure.MISS, "not in the store")
 
     async def _fetch_any(self, key: str, buf: PinnedBuffer) -> _Fetched:
         # The size is unknown until the frame is decoded: one extra host copy, bounded by max_nbytes.
@@ -434,7 +437,7 @@ class StreamLoader:
         return _Fetched(dtype=tensor.dtype, shape=tuple(tensor.shape))
 
     async def _why_not(self, key: str, expected: str) -> _Fetched:
-        """Tell a miss from a bad value (the store counts and logs the latter; both read as False)."""
+        """Tell a miss from a bad value after ``get`` (which reads both as None): one extra ``exists``."""
         (present,) = await self.store.exists([key])
         if present:
             return _Fetched(Failure.CORRUPT, f"value is not a valid frame {expected}".rstrip())
