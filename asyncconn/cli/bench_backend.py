@@ -89,24 +89,26 @@ async def _bench_size(
 ) -> dict[str, Any]:
     run_id = uuid.uuid4().hex[:8]
     source = torch.randint(0, 255, (size,), dtype=torch.uint8)
-    keys = [f"asyncconn-bench-{run_id}-{size}-{i}" for i in range(iterations)]
+    # One key per client, overwritten: the same workload as redis-benchmark's SET/GET on its one key, so the
+    # side-by-side ratio compares like with like (and the store does not grow by iterations x size).
+    keys = [f"asyncconn-bench-{run_id}-{size}-{w}" for w in range(clients)]
     dests = [torch.empty_like(source) for _ in range(clients)]
     failures = 0
     used: set[int] = set()
     label = human_size(size)
 
-    async def put(i: int, _w: int) -> None:
-        await store.put([(keys[i], source)])
+    async def put(_i: int, w: int) -> None:
+        await store.put([(keys[w], source)])
 
-    async def get(i: int, w: int) -> None:
+    async def get(_i: int, w: int) -> None:
         nonlocal failures
         used.add(w)
-        if not await store.get_into(keys[i], dests[w]):
+        if not await store.get_into(keys[w], dests[w]):
             failures += 1
 
-    async def exists(i: int, _w: int) -> None:
+    async def exists(_i: int, w: int) -> None:
         nonlocal failures
-        (present,) = await store.exists([keys[i]])
+        (present,) = await store.exists([keys[w]])
         failures += not present
 
     put_wall, put_lat = await _timed_pool(iterations, clients, put, progress, f"{label} put")
