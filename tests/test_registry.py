@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import sys
-import types
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
