@@ -22,7 +22,16 @@ import xxhash
 
 from asyncconn.backend import Value
 
-__all__ = ["MANIFEST_MAGIC", "Manifest", "chunk_keys", "main_key", "new_version", "split_value"]
+__all__ = [
+    "MANIFEST_MAGIC",
+    "Manifest",
+    "chunk_keys",
+    "fill",
+    "fetch_groups",
+    "main_key",
+    "new_version",
+    "split_value",
+]
 
 #: Starts with a NUL so no frame (b"ACNF...") and no text value can be mistaken for a manifest.
 MANIFEST_MAGIC = b"\x00ACM"
@@ -107,6 +116,34 @@ def split_value(
         for offset in range(0, part.nbytes, chunk_size):
             chunks.append(part[offset : offset + chunk_size])
     return None, chunks
+
+
+def fetch_groups(sizes: Sequence[int], groups: int) -> list[int]:
+    """Bounds cutting chunks of ``sizes`` into at most ``groups`` contiguous runs of about equal bytes.
+
+    Why bytes and not counts: a frame's first chunk is its few-dozen-byte header, so cutting five chunks
+    into four runs by count left one connection with 2 MiB to read and another with 48 bytes.
+    """
+    total = sum(sizes)
+    bounds = [0]
+    done = 0
+    for index, size in enumerate(sizes[:-1]):
+        done += size
+        if len(bounds) < groups and done * groups >= total * len(bounds):
+            bounds.append(index + 1)
+    bounds.append(len(sizes))
+    return bounds
+
+
+def fill(dests: Sequence[memoryview], value: bytes | bytearray | memoryview) -> None:
+    """Copy ``value`` across the byte views ``dests`` in order (their sizes must add up to its length)."""
+    source = memoryview(value).cast("B")
+    offset = 0
+    for dest in dests:
+        dest[:] = source[offset : offset + dest.nbytes]
+        offset += dest.nbytes
+    if offset != source.nbytes:
+        raise ValueError(f"fill: {source.nbytes} bytes into {offset} bytes of destinations")
 
 
 def chunks_complete(chunks: Sequence[bytes | bytearray | None], manifest: Manifest) -> bool:

@@ -4,7 +4,8 @@ Why it exists: through redis-py and hiredis every payload byte is copied six tim
 socket to a ``bytes`` chunk (event loop read buffer -> ``bytes`` -> StreamReader buffer -> ``bytes`` ->
 hiredis buffer -> reply ``bytes``), which held 4 MiB reads at ~0.6x of ``redis-benchmark``. Here a
 :class:`asyncio.BufferedProtocol` hands the kernel the chunk's own ``bytearray`` once the ``$<len>`` line
-is parsed, so the payload is copied once (kernel -> chunk), plus once more into the destination tensor.
+is parsed, so the payload is copied once (kernel -> chunk). With :meth:`ChunkReader.mget_into` the
+caller names that memory itself (slices of the destination tensor), so nothing is allocated per read.
 
 Scope is deliberately tiny: RESP2 replies to ``AUTH``, ``SELECT`` and ``MGET`` only, on plain TCP or unix
 sockets (``rediss://`` stays on redis-py). Every other command, and every write, goes through redis-py.
@@ -13,7 +14,8 @@ protocol error, so a hostile server cannot make us allocate more than the value 
 
 Ownership: a connection is either idle in :class:`ChunkReader` or lent to exactly one request. A request
 that fails or is cancelled closes its connection (a half-read reply cannot be resumed) instead of
-returning it; :meth:`ChunkReader.close` closes the idle ones.
+returning it, and drops its references to the caller's memory, so nothing is written there once the call
+has returned; :meth:`ChunkReader.close` closes the idle ones.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from asyncconn.exceptions import BackendError, BackendUnavailable
 __all__ = ["ChunkReader", "ReplyError"]
 
 _LINE_BUFFER = 64 * 1024
-Reply = bytearray | bytes | int | None
+Reply = bytearray | bytes | memoryview | int | None
 
 
 class ReplyError(BackendError):
@@ -53,23 +55,36 @@ class _RespProtocol(asyncio.BufferedProtocol):
         self._tops_left = 0
         self._array_left = 0
         self._max_bulk = 0
+        self._slots: Sequence[memoryview] = ()  # indexed by reply position
         self.transport: asyncio.Transport | None = None
         self.lost = False
 
     # -- requests ------------------------------------------------------------------------------------
-    def request(self, payload: bytes, replies: int, max_bulk: int) -> asyncio.Future[list[Reply]]:
-        """Send ``payload`` and return a future for ``replies`` top-level replies (arrays flattened)."""
+    def request(
+        self, payload: bytes, replies: int, max_bulk: int, slots: Sequence[memoryview] = ()
+    ) -> asyncio.Future[list[Reply]]:
+        """Send ``payload`` and return a future for ``replies`` top-level replies (arrays flattened).
+
+        With ``slots``, the n-th reply (arrays flattened), when it is a bulk string of exactly
+        ``slots[n].nbytes``, is received into that caller memory and appears in the replies as the slot
+        itself; one of another length gets its own ``bytearray`` as usual (the caller decides what a
+        mismatch means).
+        """
         assert self.transport is not None and self._waiter is None
         waiter: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
         if self.lost:
             waiter.set_exception(BackendUnavailable("connection closed by the server"))
             return waiter
         self._waiter, self._replies, self._tops_left, self._max_bulk = waiter, [], replies, max_bulk
+        self._slots = slots
         self.transport.write(payload)
         return waiter
 
     def done(self) -> None:
+        """End the request: drop every reference to the caller's memory (it must never be written again)."""
         self._waiter = None
+        self._slots = ()
+        self._dest = None
 
     # -- transport callbacks -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -84,7 +99,7 @@ class _RespProtocol(asyncio.BufferedProtocol):
         return False
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._dest is not None:
+        if self._dest is not None and not self.lost:
             return self._dest[self._dest_fill :]
         if self._fill == len(self._line):
             self._abort(_ProtocolError("reply line longer than 64 KiB"))
@@ -142,7 +157,12 @@ class _RespProtocol(asyncio.BufferedProtocol):
                     continue
                 if length > self._max_bulk:
                     raise _ProtocolError(f"bulk reply of {length} bytes, over the {self._max_bulk} expected")
-                chunk = bytearray(length)
+                index = len(self._replies)
+                chunk: bytearray | memoryview
+                if index < len(self._slots) and self._slots[index].nbytes == length:
+                    chunk = self._slots[index]
+                else:
+                    chunk = bytearray(length)
                 have = min(length, self._fill - pos)
                 chunk[:have] = view[pos : pos + have]
                 pos += have
@@ -188,7 +208,7 @@ class _RespProtocol(asyncio.BufferedProtocol):
 
     def _abort(self, exc: BaseException) -> None:
         self._fail(exc)
-        self._waiter = None
+        self.done()
         self.lost = True
         if self.transport is not None:
             self.transport.abort()
@@ -247,19 +267,41 @@ class ChunkReader:
 
     async def mget(self, names: Sequence[str], max_bulk: int) -> list[bytes | bytearray | None]:
         """``MGET names``; each present value is a fresh ``bytearray`` of at most ``max_bulk`` bytes."""
+        replies = await self._request(names, max_bulk, ())
+        return [r if isinstance(r, bytearray) else None for r in replies]
+
+    async def mget_into(
+        self, names: Sequence[str], slots: Sequence[memoryview], max_bulk: int
+    ) -> list[memoryview | bytearray | None]:
+        """``MGET names``, each value received straight into its slot (same index) when it fits exactly.
+
+        Why: allocating a fresh buffer per chunk and copying it into the destination afterwards cost more
+        than the network (a 1 MiB ``bytearray`` is zero-filled and, once glibc has handed the freed memory
+        back, page-faulted in again on every read; measured in docs/fragments/redis.md). A reply is the
+        slot itself when it landed there, a ``bytearray`` (at most ``max_bulk`` bytes) when its length was not
+        the slot's (the caller's layout guess was wrong: nothing was written to the slot), ``None`` for a
+        missing key. The slots
+        are written only while this call runs; on failure or cancellation their contents are unspecified.
+        """
+        if len(slots) != len(names):
+            raise ValueError("mget_into needs one slot per name")
+        replies = await self._request(names, max_bulk, slots)
+        return [r if isinstance(r, (memoryview, bytearray)) else None for r in replies]
+
+    async def _request(self, names: Sequence[str], max_bulk: int, slots: Sequence[memoryview]) -> list[Reply]:
         if self._closed:
             raise BackendUnavailable("chunk reader is closed")
         payload = _command(b"MGET", *(n.encode() for n in names))
         async with self._slots:
             reused = bool(self._idle)
             try:
-                return await self._mget_on(await self._take(), payload, max_bulk)
+                return await self._mget_on(await self._take(), payload, max_bulk, slots)
             except BackendUnavailable:
                 if not reused:
                     raise
                 # An idle connection can be dead (the server restarted). MGET is idempotent: once more,
                 # on a connection opened now.
-                return await self._mget_on(await self._open_lent(), payload, max_bulk)
+                return await self._mget_on(await self._open_lent(), payload, max_bulk, slots)
 
     async def _take(self) -> _RespProtocol:
         while self._idle:
@@ -276,11 +318,11 @@ class ChunkReader:
         return proto
 
     async def _mget_on(
-        self, proto: _RespProtocol, payload: bytes, max_bulk: int
-    ) -> list[bytes | bytearray | None]:
+        self, proto: _RespProtocol, payload: bytes, max_bulk: int, slots: Sequence[memoryview]
+    ) -> list[Reply]:
         ok = False
         try:
-            fut = proto.request(payload, 1, max_bulk)
+            fut = proto.request(payload, 1, max_bulk, slots)
             try:
                 replies = await fut
             finally:
@@ -292,7 +334,7 @@ class ChunkReader:
                 self._idle.append(proto)
             else:
                 _close(proto)
-        return [r if isinstance(r, bytearray) else None for r in replies]
+        return replies
 
     async def close(self) -> None:
         self._closed = True

@@ -14,7 +14,8 @@ chunk has gone (a newer write or an eviction), and otherwise report a miss -- ne
 Speed: the put path hands redis-py memoryviews of the tensor, which it sends without joining them. The get
 path fetches one value's chunks over up to ``parallel`` connections at once, on plain TCP and unix sockets
 through :class:`backends._redis_reader.ChunkReader`, which receives each chunk straight into its own buffer
-(redis-py and hiredis copy every byte six times before the codec's copy; measured in docs/fragments/redis.md).
+(redis-py and hiredis copy every byte six times before the codec's copy; measured in docs/fragments/redis.md)
+-- and, for :meth:`RedisBackend.get_into`, straight into the caller's tensor, with no buffer per read.
 Every call is bounded by ``timeout``; redis-py's errors are translated here, in :meth:`RedisBackend._guard`,
 and never carry the password.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -38,10 +40,19 @@ from redis.asyncio.connection import (
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from asyncconn.backend import Buffer, StorageBackend, Value
+from asyncconn.backend import Buffer, Sink, StorageBackend, Value
 from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigError
 from asyncconn.url import Param, StoreURL, redact
-from backends._redis_layout import Manifest, chunk_keys, chunks_complete, main_key, new_version, split_value
+from backends._redis_layout import (
+    Manifest,
+    chunk_keys,
+    chunks_complete,
+    fetch_groups,
+    fill,
+    main_key,
+    new_version,
+    split_value,
+)
 from backends._redis_reader import ChunkReader
 
 __all__ = ["RedisBackend"]
@@ -82,6 +93,9 @@ class RedisBackend(StorageBackend):
         "tls_key": Param.text(None, "rediss://: client private key (mutual TLS)"),
         "tls_check_hostname": Param.boolean(True, "rediss://: check the certificate names the host"),
     }
+
+    #: Chunk reads land in the caller's memory (through the fast reader; redis-py reads fall back to a copy).
+    reads_into: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -330,6 +344,63 @@ class RedisBackend(StorageBackend):
                 out[index] = value
         return out
 
+    async def get_into(self, key: str, dests: Sequence[memoryview], sink: Sink | None = None) -> int | None:
+        """Land one value straight in ``dests``: each chunk is received into its place (one copy in all).
+
+        Why: going through :meth:`get` allocates a fresh buffer per chunk and copies it into the
+        destination afterwards; with 1 MiB chunks glibc hands that memory back to the kernel between reads,
+        so every read page-faulted 4 MiB in again and held 4 MiB gets near 0.4x of ``redis-benchmark``
+        (docs/fragments/redis.md). The chunk boundaries are predicted with :func:`split_value` over
+        ``dests`` -- the cut the writer made of the same frame parts -- and every reply's length is
+        checked against its slot. A value written with another ``chunk_size`` falls back to :meth:`get`
+        and a copy; a lost chunk follows the new manifest once, as :meth:`get` does.
+        """
+        if self._reader is None:
+            return await super().get_into(key, dests, sink)
+        targets = [d.cast("B") for d in dests]
+        size = sum(t.nbytes for t in targets)
+        async with self._guard("get"):
+            landed = await self._land(key, targets, size)
+            if landed is _Landing.LOST:  # replaced by a newer write (or evicted): follow the key once more
+                landed = await self._land(key, targets, size)
+        if landed is _Landing.LOST:
+            return None
+        if landed is _Landing.MISMATCH:
+            return await super().get_into(key, dests, sink)
+        if landed == size and sink is not None:
+            for target in targets:
+                sink(target)
+        return landed
+
+    async def _land(self, key: str, targets: list[memoryview], size: int) -> int | _Landing | None:
+        """One attempt of :meth:`get_into`: the value's length (landed when it is ``size``), or a miss."""
+        (head,) = await self._mget([main_key(self.prefix, key)])
+        if head is None:
+            return None
+        manifest = Manifest.parse(head)
+        if manifest is None:  # an inline value (or a foreign one: the caller's frame check rejects it)
+            if len(head) == size:
+                fill(targets, head)
+            return len(head)
+        if manifest.total != size:
+            return manifest.total
+        _, slots = split_value(targets, self.chunk_size)
+        if slots is None or len(slots) != manifest.count:
+            return _Landing.MISMATCH
+        names = chunk_keys(self.prefix, key, manifest)
+        bounds = fetch_groups([slot.nbytes for slot in slots], self.parallel)
+        assert self._reader is not None
+        reader = self._reader
+        parts = await _gather(
+            reader.mget_into(names[a:b], slots[a:b], manifest.total) for a, b in itertools.pairwise(bounds)
+        )
+        replies = [reply for part in parts for reply in part]
+        if any(reply is None for reply in replies):
+            return _Landing.LOST
+        if any(reply is not slot for reply, slot in zip(replies, slots, strict=True)):
+            return _Landing.MISMATCH
+        return size
+
     async def _fetch(self, names: list[str], largest: int) -> list[bytes | bytearray | None]:
         """MGET ``names`` split into up to ``parallel`` contiguous groups, each on its own connection.
 
@@ -404,6 +475,13 @@ class RedisBackend(StorageBackend):
             raw_connected, raw_in_use = self._reader.counts()
             connected, in_use = connected + raw_connected, in_use + raw_in_use
         return connected, in_use
+
+
+class _Landing(enum.Enum):
+    """Why a direct read did not land: a chunk vanished, or the chunks are not cut where we expected."""
+
+    LOST = "lost"
+    MISMATCH = "mismatch"
 
 
 async def _gather(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:

@@ -19,8 +19,16 @@ import torch
 from asyncconn.backend import open_backend
 from asyncconn.exceptions import BackendUnavailable, ConfigError
 from asyncconn.runtime import Runtime
-from asyncconn.store import TensorStore
-from backends._redis_layout import MANIFEST_SIZE, MAX_CHUNKS, Manifest, main_key, split_value
+from asyncconn.store import Fetch, TensorStore
+from backends._redis_layout import (
+    MANIFEST_SIZE,
+    MAX_CHUNKS,
+    Manifest,
+    fetch_groups,
+    fill,
+    main_key,
+    split_value,
+)
 from backends.redis import RedisBackend
 from tests.servers import RedisServer, wait_port
 
@@ -68,6 +76,23 @@ def test_manifest_round_trip_and_rejects_tampering() -> None:
     assert Manifest.parse(Manifest(b"12345678", MAX_CHUNKS + 1, 1 << 40).pack()) is None
 
 
+def test_fetch_groups_balance_bytes_not_counts() -> None:
+    mib = 1 << 20
+    # a 48-byte header chunk and four 1 MiB chunks over four connections: ~1 MiB each, not 48 B and 2 MiB
+    assert fetch_groups([48, mib, mib, mib, mib], 4) == [0, 2, 3, 4, 5]
+    assert fetch_groups([1] * 8, 4) == [0, 2, 4, 6, 8]
+    assert fetch_groups([10], 4) == [0, 1]  # never an empty group
+    assert fetch_groups([5, 5], 1) == [0, 2]
+
+
+def test_fill_scatters_across_destinations() -> None:
+    dests = [bytearray(2), bytearray(3)]
+    fill([memoryview(d) for d in dests], b"abcde")
+    assert dests == [bytearray(b"ab"), bytearray(b"cde")]
+    with pytest.raises(ValueError, match="6 bytes into 5"):
+        fill([memoryview(d) for d in dests], b"abcdef")
+
+
 # -- round trips ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("size", [0, 1, 1023, 1024, 1025, 3 * 1024, 10_000])
 async def test_round_trip_raw_values(redis_server: RedisServer, raw: aioredis.Redis, size: int) -> None:
@@ -103,6 +128,79 @@ async def test_tensor_round_trip_through_store(redis_server: RedisServer, chunk_
         assert store.stats.corrupt == 0 and store.stats.hits == 4
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    ("writer_chunk", "reader_chunk", "direct"),
+    [("64KiB", "64KiB", True), ("1MiB", "1MiB", True), ("64KiB", "1MiB", False), ("1MiB", "64KiB", False)],
+)
+async def test_get_into_lands_chunks_in_the_destination(
+    redis_server: RedisServer, writer_chunk: str, reader_chunk: str, direct: bool
+) -> None:
+    """Chunks land in the tensor's own memory; a value cut with another chunk size still reads (a copy)."""
+    prefix = f"into-{writer_chunk}-{reader_chunk}:"
+    writer = TensorStore(await _open(_url(redis_server, f"chunk_size={writer_chunk}&prefix={prefix}")))
+    reader_backend = await _open(_url(redis_server, f"chunk_size={reader_chunk}&prefix={prefix}"))
+    reader = TensorStore(reader_backend)
+    copies = 0
+    real_get = reader_backend.get
+
+    async def counting_get(keys: list[str]) -> list[object]:
+        nonlocal copies
+        copies += 1
+        return await real_get(keys)  # type: ignore[return-value]
+
+    reader_backend.get = counting_get  # type: ignore[method-assign,assignment]
+    try:
+        value = torch.randn(3, 100_000)  # 1.2 MiB: chunked for both chunk sizes
+        await writer.put([("k", value)])
+        out = torch.full_like(value, float("nan"))
+        for _ in range(2):
+            assert await reader.read_into("k", out) is Fetch.HIT
+            assert torch.equal(out, value)
+        assert copies == (0 if direct else 2)
+        assert reader.stats.hits == 2 and reader.stats.corrupt == 0
+        assert reader_backend.connection_counts()[1] == 0
+    finally:
+        await writer.delete(["k"])
+        await writer.close()
+        await reader.close()
+
+
+@pytest.mark.parametrize("fast_read", ["true", "false"])
+async def test_get_into_inline_absent_and_wrong_size(redis_server: RedisServer, fast_read: str) -> None:
+    backend = await _open(
+        _url(redis_server, f"chunk_size=4KiB&prefix=into-misc-{fast_read}:&fast_read={fast_read}")
+    )
+    store = TensorStore(backend)
+    try:
+        small, big = torch.arange(10, dtype=torch.float32), torch.randn(50, 100)
+        await store.put([("small", small), ("big", big)])
+        out = torch.empty_like(small)
+        assert await store.read_into("small", out) is Fetch.HIT and torch.equal(out, small)
+        assert await store.read_into("absent", out) is Fetch.MISS
+        # a destination of another size is never written (the backend reports the stored length)
+        for key, wrong in (("small", torch.zeros(11)), ("big", torch.zeros(50, 99))):
+            assert await store.read_into(key, wrong) is Fetch.CORRUPT
+            assert not wrong.any()
+        out = torch.empty_like(big)
+        assert await store.read_into("big", out) is Fetch.HIT and torch.equal(out, big)
+        assert store.stats.corrupt == 2 and backend.connection_counts()[1] == 0
+    finally:
+        await store.delete(["small", "big"])
+        await store.close()
+
+
+async def test_overwrite_probe_reads_both_paths(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    """The benchmark probe behind the docs' overwrite figures runs both read paths and cleans up."""
+    from asyncconn.bench_redis import probe_overwrites
+
+    result = await probe_overwrites(
+        _url(redis_server, "chunk_size=16KiB"), 64 << 10, phases=2, puts=3, gets=2
+    )
+    assert set(result) == {"direct", "copy"}
+    assert all(len(side["p50_ms"]) == 2 and side["faults_per_get"] >= 0 for side in result.values())
+    assert await raw.keys("*asyncconn-probe-*") == []
 
 
 async def test_overwrites_leave_no_orphan_chunks(redis_server: RedisServer, raw: aioredis.Redis) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from asyncconn.backend import open_backend
 from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable
-from asyncconn.store import TensorStore
+from asyncconn.store import Fetch, TensorStore
 from backends._redis_layout import MANIFEST_MAGIC, Manifest, chunk_keys, main_key
 from backends._redis_reader import ChunkReader
 from backends.redis import RedisBackend
@@ -101,6 +101,8 @@ async def test_manifest_pointing_at_missing_chunks_is_a_miss(
         await raw.delete(names[1])
         assert await store.get(["k"]) == [None]
         assert store.stats.misses == 1 and store.stats.corrupt == 0
+        assert await store.read_into("k", torch.empty(300)) is Fetch.MISS
+        assert store.stats.misses == 2 and store.stats.corrupt == 0
     finally:
         await store.delete(["k"])
         await store.close()
@@ -113,6 +115,7 @@ async def test_truncated_chunk_is_a_miss(redis_server: RedisServer, raw: aioredi
         await raw.set(names[-1], b"\x00")
         assert await _backend(store).get(["k"]) == [None]  # the manifest's length no longer adds up
         assert await store.get(["k"]) == [None]
+        assert await store.read_into("k", torch.empty(300)) is Fetch.MISS
     finally:
         await store.delete(["k"])
         await store.close()
@@ -130,6 +133,9 @@ async def test_flipped_byte_in_a_chunk_is_a_counted_miss(
         await raw.set(names[2], bytes(chunk))
         assert await store.get(["k"]) == [None]
         assert store.stats.corrupt == 1
+        out = torch.empty(300)
+        assert await store.read_into("k", out) is Fetch.CORRUPT  # landed in out, then refused
+        assert store.stats.corrupt == 2
     finally:
         await store.delete(["k"])
         await store.close()
@@ -186,6 +192,8 @@ async def test_paused_server_times_out_then_recovers(fresh_redis: RedisServer, f
         with pytest.raises(BackendTimeout):
             await store.get(["k"])
         with pytest.raises(BackendTimeout):
+            await store.get_into("k", torch.empty_like(value))
+        with pytest.raises(BackendTimeout):
             await store.put([("k2", value)])
         with pytest.raises(BackendTimeout):
             await store.delete(["k"])
@@ -220,6 +228,30 @@ async def test_cancelled_get_returns_its_connections(fresh_redis: RedisServer, f
         await store.close()
 
 
+async def test_cancelled_get_into_returns_its_connections(fresh_redis: RedisServer) -> None:
+    tasks_before = _tasks()
+    store = await _store(f"{fresh_redis.url}?chunk_size=64KiB")
+    backend = _backend(store)
+    value = torch.randn(256, 1024)
+    try:
+        await store.put([("k", value)])
+        out = torch.empty_like(value)
+        fresh_redis.pause()
+        job = asyncio.ensure_future(store.get_into("k", out))
+        await asyncio.sleep(0.1)
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        assert backend.connection_counts()[1] == 0
+        fresh_redis.resume()
+        assert await store.get_into("k", out) and torch.equal(out, value)
+    finally:
+        fresh_redis.resume()
+        await store.close()
+    assert backend.connection_counts() == (0, 0)
+    assert _tasks() == tasks_before
+
+
 async def test_closed_backend_refuses_calls(redis_server: RedisServer) -> None:
     store = await _store(f"{redis_server.url}?prefix=closed:")
     await store.close()
@@ -242,6 +274,7 @@ async def test_racing_writers_never_show_a_torn_value(
     reader = await _store(url)
     values = [torch.full((64, 256), float(i)) for i in range(len(writers))]  # 64 KiB: 17 chunks each
     seen: list[int] = []
+    seen_direct: list[int] = []
     stop = asyncio.Event()
 
     async def write(store: TensorStore, value: torch.Tensor) -> None:
@@ -256,12 +289,22 @@ async def test_racing_writers_never_show_a_torn_value(
                 assert len(matches) == 1, "a read returned a value no writer wrote"
                 seen.append(matches[0])
 
+    async def read_into() -> None:  # the direct path: chunks land in the tensor as they arrive
+        out = torch.empty(64, 256)
+        while not stop.is_set():
+            status = await reader.read_into("k", out)
+            assert status is not Fetch.CORRUPT
+            if status is Fetch.HIT:
+                matches = [i for i, v in enumerate(values) if torch.equal(out, v)]
+                assert len(matches) == 1, "a direct read landed a value no writer wrote"
+                seen_direct.append(matches[0])
+
     try:
-        readers = [asyncio.ensure_future(read()) for _ in range(2)]
+        readers = [asyncio.ensure_future(read()), asyncio.ensure_future(read_into())]
         await asyncio.gather(*(write(s, v) for s, v in zip(writers, values, strict=True)))
         stop.set()
         await asyncio.gather(*readers)
-        assert seen, "readers never saw a value"
+        assert seen and seen_direct, "readers never saw a value"
         assert reader.stats.corrupt == 0
         head = await raw.get(main_key(prefix, "k"))
         assert isinstance(head, bytes)
@@ -299,7 +342,36 @@ async def test_chunk_loss_is_retried_from_the_new_manifest(redis_server: RedisSe
         backend._mget = mget_then_replace  # type: ignore[method-assign]
         (got,) = await store.get(["k"])
         assert got is not None and torch.equal(got, new)
+        # the direct read follows the new manifest the same way
+        await store.put([("k", old)])
+        calls = 0
+        out = torch.empty(200)
+        assert await store.read_into("k", out) is Fetch.HIT and torch.equal(out, new)
+        assert calls == 2
     finally:
+        await store.delete(["k"])
+        await store.close()
+
+
+async def test_chunks_lost_twice_is_a_miss(redis_server: RedisServer) -> None:
+    """A direct read whose chunks vanish on both attempts reports a miss, never a partial value."""
+    prefix = "lost-twice:"
+    store = await _store(f"redis://127.0.0.1:{redis_server.port}/0?prefix={prefix}&chunk_size=128")
+    backend = _backend(store)
+    real_mget = backend._mget
+
+    async def mget_then_replace(names: list[str]) -> list[bytes | None]:
+        result = await real_mget(names)
+        await store.put([("k", torch.rand(200))])  # every manifest read is stale at once
+        return result
+
+    try:
+        await store.put([("k", torch.zeros(200))])
+        backend._mget = mget_then_replace  # type: ignore[method-assign]
+        assert await store.read_into("k", torch.empty(200)) is Fetch.MISS
+        assert store.stats.corrupt == 0 and backend.connection_counts()[1] == 0
+    finally:
+        backend._mget = real_mget  # type: ignore[method-assign]
         await store.delete(["k"])
         await store.close()
 
@@ -364,6 +436,54 @@ async def test_chunk_reader_parses_split_and_nil_replies() -> None:
         server.close()
         await server.wait_closed()
     assert reader.counts() == (0, 0)
+
+
+async def test_chunk_reader_lands_replies_in_their_slots() -> None:
+    body = os.urandom(200_000)
+    server = await _serve(b"*3\r\n$-1\r\n$%d\r\n%s\r\n$5\r\nabcde\r\n" % (len(body), body))
+    reader = _reader_for(server)
+    slots = [bytearray(10), bytearray(len(body)), bytearray(3)]
+    views = [memoryview(s) for s in slots]
+    try:
+        replies = await reader.mget_into(["a", "b", "c"], views, len(body))
+        assert replies[0] is None
+        assert replies[1] is views[1] and slots[1] == body  # received in place
+        assert bytes(replies[2] or b"") == b"abcde" and slots[2] == bytearray(3)  # wrong length: own buffer
+        with pytest.raises(ValueError, match="one slot per name"):
+            await reader.mget_into(["a"], views, len(body))
+        assert reader.counts() == (1, 0)
+    finally:
+        await reader.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_chunk_reader_cancelled_mid_reply_closes_the_connection() -> None:
+    release = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        writer.write(b"*1\r\n$100\r\n" + b"x" * 40)  # part of the value, then nothing
+        await writer.drain()
+        await release.wait()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    reader = _reader_for(server)
+    slot = bytearray(100)
+    try:
+        job = asyncio.ensure_future(reader.mget_into(["a"], [memoryview(slot)], 100))
+        await asyncio.sleep(0.1)
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        assert reader.counts() == (0, 0)  # a half-read reply cannot be resumed: the connection is gone
+        assert slot == b"x" * 40 + bytes(60)
+    finally:
+        release.set()
+        await reader.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_chunk_reader_server_closing_mid_reply_is_unavailable() -> None:
