@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -54,6 +55,8 @@ from backends._redis_layout import (
     split_value,
 )
 from backends._redis_reader import ChunkReader
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RedisBackend"]
 
@@ -124,6 +127,7 @@ class RedisBackend(StorageBackend):
         self.timeout = timeout
         self._reader = reader
         self._closed = False
+        self._reaping: set[asyncio.Task[None]] = set()
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -285,7 +289,7 @@ class RedisBackend(StorageBackend):
             if previous is not None:
                 doomed += chunk_keys(self.prefix, key, previous)
         if doomed:
-            await self._client.unlink(*doomed)
+            self._reap(doomed)
 
     async def _put_chunked(self, key: str, chunks: list[memoryview]) -> None:
         head = main_key(self.prefix, key)
@@ -306,7 +310,29 @@ class RedisBackend(StorageBackend):
         previous = Manifest.parse(old) if isinstance(old, bytes) else None
         # A retried transaction (connection lost after EXEC) reads back its own manifest: keep those chunks.
         if previous is not None and previous.version != manifest.version:
-            await self._client.unlink(*chunk_keys(self.prefix, key, previous))
+            self._reap(chunk_keys(self.prefix, key, previous))
+
+    def _reap(self, names: list[str]) -> None:
+        """Unlink a replaced version's chunks in the background.
+
+        The new value is committed once EXEC returns; removing the old chunks is garbage collection, so the
+        put does not wait a second round trip for it. A reader still following the old manifest finds a chunk
+        gone and re-reads the new one (see ``_get``). A failed unlink leaves orphans until their TTL, logged.
+        """
+        task = asyncio.get_running_loop().create_task(self._unlink_quietly(names))
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
+
+    async def _unlink_quietly(self, names: list[str]) -> None:
+        try:
+            await self._client.unlink(*names)
+        except (rexc.RedisError, OSError) as exc:
+            log.warning("%s: could not remove %d replaced chunk(s): %s", self.name, len(names), exc)
+
+    async def settle(self) -> None:
+        """Wait for background unlinks of replaced chunks (tests count keys after this)."""
+        while self._reaping:
+            await asyncio.gather(*self._reaping, return_exceptions=True)
 
     async def get(self, keys: Sequence[str]) -> list[Sequence[Buffer] | None]:
         async with self._guard("get"):
@@ -456,6 +482,9 @@ class RedisBackend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.timeout):
+                await self.settle()
         if self._reader is not None:
             await self._reader.close()
         await self._client.aclose()

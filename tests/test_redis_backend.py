@@ -208,15 +208,19 @@ async def test_overwrites_leave_no_orphan_chunks(redis_server: RedisServer, raw:
     try:
         await backend.put([("k", os.urandom(1000))])
         await backend.put([("k", os.urandom(450))])
+        await backend.settle()  # replaced chunks are unlinked in the background
         assert len(await raw.keys("ow:*")) == 1 + 5
         await backend.put([("k", b"small")])
+        await backend.settle()
         assert await raw.keys("ow:*") == [main_key("ow:", "k").encode()]
         (got,) = await backend.get(["k"])
         assert got is not None and b"".join(got) == b"small"
         # one batch: inline values replacing chunked ones, and a chunked one replacing an inline one
         await backend.put([("a", os.urandom(300)), ("b", os.urandom(300))])
+        await backend.settle()  # replaced chunks are unlinked in the background
         assert len(await raw.keys("ow:*")) == 1 + 2 * (1 + 3)
         await backend.put([("a", b"1"), ("b", b"2"), ("k", os.urandom(250)), ("a", b"3")])
+        await backend.settle()  # replaced chunks are unlinked in the background
         assert len(await raw.keys("ow:*")) == 3 + 3
         got_a, got_b = await backend.get(["a", "b"])
         assert got_a is not None and got_b is not None
@@ -425,3 +429,12 @@ def test_round_trip_on_the_runtime_loop(redis_server: RedisServer, runtime: Runt
     assert got[1] is not None and torch.equal(got[1], tensors[1])
     assert got[2] is None and in_use == 0
     assert runtime.uses_uvloop
+
+
+async def test_close_waits_for_background_unlinks(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    """A put returns once the new value is committed; close() still removes every replaced chunk."""
+    backend = await _open(_url(redis_server, "chunk_size=100&prefix=reap:"))
+    for _ in range(5):
+        await backend.put([("k", os.urandom(1000))])
+    await backend.close()
+    assert len(await raw.keys("reap:*")) == 1 + 10

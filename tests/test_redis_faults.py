@@ -335,6 +335,7 @@ async def test_chunk_loss_is_retried_from_the_new_manifest(redis_server: RedisSe
         result = await real_mget(names)
         if calls == 1:  # after the reader has read the old manifest, a producer replaces the value
             await store.put([("k", new)])
+            await backend.settle()  # ... and its background unlink of the old chunks has run
         return result
 
     try:
@@ -363,6 +364,7 @@ async def test_chunks_lost_twice_is_a_miss(redis_server: RedisServer) -> None:
     async def mget_then_replace(names: list[str]) -> list[bytes | None]:
         result = await real_mget(names)
         await store.put([("k", torch.rand(200))])  # every manifest read is stale at once
+        await backend.settle()  # and the replaced chunks are gone
         return result
 
     try:
