@@ -78,6 +78,9 @@ class Settings:
         _positive_duration, 5.0, "EC: how long PD waits for an item E announced but had not yet saved"
     )
     kv_blocks_per_value: int = _opt(_positive_int, 1, "KV: consecutive blocks stored under one key")
+    ec_max_row_bytes: int = _opt(
+        parse_size, 64 << 10, "EC: bound on one embedding row's bytes until the first load gives the size"
+    )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:

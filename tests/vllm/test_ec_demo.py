@@ -1,0 +1,55 @@
+"""``asyncconn demo``: the EC part end to end (its checks must pass), the exit codes, and the bench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from asyncconn.cli import demo
+from asyncconn.cli.main import main
+
+
+def test_demo_runs_e_and_pd_and_every_check_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--json"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)
+    assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
+    figures = summary["figures"]
+    assert figures["items encoded on E"] == figures["distinct images"]
+    assert figures["PD prefetch hits (admitted after prefetch)"] >= 1
+    assert figures["bytes loaded by PD (all workers)"] > 0
+
+
+def test_demo_on_a_given_backend_prints_a_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["demo", "--backend", f"file://{tmp_path / 'store'}"]) == 0
+    out = capsys.readouterr().out
+    assert "[PASS] PD's encoder never ran for a stored image" in out and "[FAIL]" not in out
+
+
+def test_a_failed_check_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(demo.PARTS, "broken", f"{__name__}:_broken_part")
+    assert main(["demo", "--parts", "broken"]) == 1
+    assert "[FAIL] always fails" in capsys.readouterr().out
+
+
+def _broken_part(backend_url: str, workdir: Path) -> dict[str, Any]:
+    return {"title": "broken", "figures": {}, "checks": {"always fails": False}}
+
+
+def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--parts", "nope"]) == 2
+    assert main(["demo", "--backend", "nosuchscheme://x"]) == 2
+    assert "nosuchscheme" in capsys.readouterr().err
+
+
+def test_bench_measures_calls_and_steps(tmp_path: Path) -> None:
+    from asyncconn.vllm.ec_bench import run_ec_bench
+
+    summary = run_ec_bench(f"file://{tmp_path / 'store'}", tmp_path, rounds=1)
+    figures = summary["figures"]
+    assert figures["ensure_cache_available calls"] > 0 and figures["has_cache_item calls"] > 0
+    assert "nan" not in figures["install step (+1824-token prefill): schedule() / runner p50 (us)"]
