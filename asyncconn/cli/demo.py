@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     # vLLM's start-up warnings about the CPU platform (no Triton, block size) say nothing about the demo.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if not getattr(args, "verbose", 0):
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     names = [p.strip() for p in str(args.parts).split(",") if p.strip()]
     unknown = [n for n in names if n not in PARTS]
     if unknown:
