@@ -14,6 +14,7 @@ from asyncconn.backend import (
     resolve_backend,
 )
 from asyncconn.codec import decode, decode_into, encode, encode_parts
+from asyncconn.config import Settings
 from asyncconn.exceptions import (
     AsyncConnError,
     BackendError,
@@ -22,18 +23,23 @@ from asyncconn.exceptions import (
     BackendUnavailable,
     CodecError,
     ConfigError,
+    DuplicateTransfer,
     FrameCorrupt,
     FrameMismatch,
     FrameTooLarge,
     FrameTruncated,
     FrameVersionError,
+    LookupProtocolError,
     LoopThreadBlocked,
+    PoolTooSmall,
     RuntimeClosed,
     RuntimeStateError,
+    SimulationError,
+    TransferError,
     UnknownSchemeError,
 )
 from asyncconn.runtime import Runtime, get_runtime, shutdown_runtime
-from asyncconn.store import StoreStats, TensorStore
+from asyncconn.store import Fetch, StoreStats, TensorStore
 from asyncconn.url import StoreURL, parse_url, redact
 
 __version__ = "0.1.0"
@@ -46,19 +52,26 @@ __all__ = [
     "BackendUnavailable",
     "CodecError",
     "ConfigError",
+    "DuplicateTransfer",
+    "Fetch",
     "FrameCorrupt",
     "FrameMismatch",
     "FrameTooLarge",
     "FrameTruncated",
     "FrameVersionError",
+    "LookupProtocolError",
     "LoopThreadBlocked",
+    "PoolTooSmall",
     "Runtime",
     "RuntimeClosed",
     "RuntimeStateError",
+    "Settings",
+    "SimulationError",
     "StorageBackend",
     "StoreStats",
     "StoreURL",
     "TensorStore",
+    "TransferError",
     "UnknownSchemeError",
     "__version__",
     "available_schemes",
