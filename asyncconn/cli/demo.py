@@ -28,6 +28,7 @@ __all__ = ["PARTS", "add_arguments", "print_summary", "run"]
 #: name -> "module:function"; each function is called as fn(backend_url, workdir) -> summary dict.
 PARTS: dict[str, str] = {
     "ec": "asyncconn.vllm.ec_demo:run_ec_demo",
+    "kv": "asyncconn.vllm.kv_demo:demo_part",
 }
 
 

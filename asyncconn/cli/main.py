@@ -26,6 +26,10 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "backend": ("asyncconn.cli.bench_backend", "put/get/exists throughput and latency of a store"),
     "lookup": ("asyncconn.cli.bench_lookup", "lookup client cost on the caller's thread and throughput"),
     "transfer": ("asyncconn.cli.bench_transfer", "stream loader and save tracker figures"),
+    "kv": (
+        "asyncconn.cli.bench_kv",
+        "KV connector: schedule() with lookups, wait_for_save, blocks per value",
+    ),
 }
 
 

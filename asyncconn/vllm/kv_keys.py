@@ -1,0 +1,121 @@
+"""Store keys for KV values: a vLLM block hash plus everything that makes the bytes incompatible.
+
+vLLM's block hash names a *token prefix*; it says nothing about the bytes its KV takes. Two instances of
+different models, KV dtypes, layouts, block sizes or tensor-parallel splits compute different bytes for the
+same prefix, so a key built from the hash alone would let one load the other's KV as garbage. Here the
+incompatibility-making facts are folded into a namespace digest once, and each key is
+``digest(namespace, rank, hash of the value's last block)``: the hash chain of the last block covers the
+whole prefix, so one key names a value of ``blocks_per_value`` consecutive blocks.
+
+The scheduler side (lookups) and the worker side (loads, saves) must compute identical keys from what each
+of them knows, so the namespace uses only facts both sides read from the ``VllmConfig`` and the
+``KVCacheConfig`` -- never the worker's tensors (a mismatch there is caught by the frame's dtype/shape check
+and becomes a load error, never a wrong tensor).
+
+Keys are bytes: the lookup client turns them into store keys with :func:`asyncconn.lookup.store_key`
+(``key_prefix + hex``), and the savers write under exactly that name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from asyncconn.exceptions import ConfigError
+from asyncconn.lookup.protocol import store_key
+
+__all__ = ["KEY_FORMAT", "KeySpace", "KVIdentity"]
+
+#: Bumped whenever the value layout changes, so old values can never be read as new ones.
+KEY_FORMAT = 1
+_DIGEST = 16
+
+
+@dataclass(frozen=True)
+class KVIdentity:
+    """What must match for two instances to share KV bytes."""
+
+    model: str
+    revision: str
+    dtype: str
+    layout: str
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    layers: tuple[str, ...]
+    tp_size: int
+    blocks_per_value: int
+
+    @classmethod
+    def from_vllm(
+        cls, vllm_config: Any, kv_cache_config: Any, *, tp_size: int, blocks_per_value: int
+    ) -> KVIdentity:
+        """Read the identity from vLLM's configs (the same call on the scheduler and on every worker)."""
+        groups = list(kv_cache_config.kv_cache_groups)
+        if not groups:
+            raise ConfigError("KV connector: the KV cache config has no groups")
+        spec = groups[0].kv_cache_spec
+        model = vllm_config.model_config
+        layers = tuple(name for group in groups for name in group.layer_names)
+        return cls(
+            model=str(model.model),
+            revision=str(getattr(model, "revision", None) or ""),
+            dtype=str(spec.dtype).removeprefix("torch."),
+            layout=str(getattr(vllm_config.cache_config, "kv_cache_layout", None) or "default"),
+            block_size=int(spec.block_size),
+            num_kv_heads=int(getattr(spec, "num_kv_heads", 0)),
+            head_size=int(getattr(spec, "head_size", 0)),
+            layers=layers,
+            tp_size=tp_size,
+            blocks_per_value=blocks_per_value,
+        )
+
+
+class KeySpace:
+    """Key derivation for one identity and one ``key_prefix``."""
+
+    def __init__(self, identity: KVIdentity, key_prefix: str = "") -> None:
+        if identity.blocks_per_value <= 0 or identity.tp_size <= 0 or identity.block_size <= 0:
+            raise ConfigError(f"KV connector: impossible key identity {identity}")
+        self.identity = identity
+        self.key_prefix = key_prefix
+        blob = json.dumps({"format": KEY_FORMAT, **asdict(identity)}, sort_keys=True).encode()
+        self.namespace = hashlib.blake2b(blob, digest_size=_DIGEST).digest()
+        self.tokens_per_value = identity.block_size * identity.blocks_per_value
+
+    @property
+    def tp_size(self) -> int:
+        return self.identity.tp_size
+
+    @property
+    def blocks_per_value(self) -> int:
+        return self.identity.blocks_per_value
+
+    def value_key(self, last_block_hash: bytes, rank: int) -> bytes:
+        """The lookup key (bytes) of one value: the blocks ending at ``last_block_hash``, rank ``rank``."""
+        if not 0 <= rank < self.identity.tp_size:
+            raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.identity.tp_size}")
+        h = hashlib.blake2b(self.namespace, digest_size=_DIGEST)
+        h.update(rank.to_bytes(4, "little"))
+        h.update(bytes(last_block_hash))
+        return h.digest()
+
+    def store_key(self, last_block_hash: bytes, rank: int) -> str:
+        """The name the value is stored under (what the lookup client asks the store about)."""
+        return store_key(self.key_prefix, self.value_key(last_block_hash, rank))
+
+    def value_hashes(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """The block hash that names each complete value of a request: every ``blocks_per_value``-th hash."""
+        step = self.identity.blocks_per_value
+        return [bytes(block_hashes[i + step - 1]) for i in range(0, len(block_hashes) - step + 1, step)]
+
+    def lookup_keys(self, value_hashes: Sequence[bytes]) -> list[bytes]:
+        """Keys asked for a prefix lookup: each value's keys for every rank, value by value.
+
+        A PREFIX answer counts leading keys present, so ``answer // tp_size`` values are present on every
+        rank: a value whose shard is missing on one rank ends the hit there.
+        """
+        return [self.value_key(h, rank) for h in value_hashes for rank in range(self.identity.tp_size)]
