@@ -16,9 +16,11 @@ from asyncconn.cli.main import main
 
 def test_demo_runs_e_and_pd_and_every_check_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--json"]) == 0
-    (summary,) = json.loads(capsys.readouterr().out)
-    assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
-    figures = summary["figures"]
+    ec, kv = json.loads(capsys.readouterr().out)
+    for summary in (ec, kv):
+        assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
+    assert kv["figures"]["wave 2 tokens loaded from the store"] > 0
+    figures = ec["figures"]
     assert figures["items encoded on E"] == figures["distinct images"]
     assert figures["PD prefetch hits (admitted after prefetch)"] >= 1
     assert figures["bytes loaded by PD (all workers)"] > 0
