@@ -11,16 +11,40 @@ not import vLLM: the connector classes (which subclass vLLM's bases) load on fir
 
 Request lifecycle contract (what happens to in-flight work at each event; tested in tests/vllm):
 
-=====================  ==========================  ==========================  ==========================
-event                  in-flight lookup            in-flight load              in-flight save
-=====================  ==========================  ==========================  ==========================
-finished (normal)      discarded                   n/a (loads end first)       KV: blocks held until the
-                                                                               save ends, then reported in
-                                                                               ``finished_sending``
-aborted                discarded, never served     cancelled; staging freed    as finished
-preempted              discarded; asked anew on    cancelled; staging freed    waited for (bounded) in
-                       re-admission                                            ``handle_preemptions``
-=====================  ==========================  ==========================  ==========================
+KV connector (``AsyncConnKVConnector``):
+
+==========  =============================  ==================================  ==================================
+event       in-flight lookup               in-flight load                      in-flight save
+==========  =============================  ==================================  ==================================
+finished    n/a (answered before it runs)  n/a (loads end before it runs)      blocks held (``request_finished``
+                                                                               returns True) until every save of
+                                                                               the request ends or fails, then
+                                                                               reported in ``finished_sending``
+aborted     discarded; a late answer is    fetches cancelled, staging freed;   as finished
+            never served                   blocks held until every worker
+                                           reports the id once in
+                                           ``finished_recving``
+preempted   discarded; the store is asked  cannot happen (a request waiting    CUDA: waited for, bounded by
+            again on re-admission          for KV is not running)              ``store_timeout``, in
+                                                                               ``handle_preemptions``; CPU:
+                                                                               snapshots are synchronous
+==========  =============================  ==================================  ==================================
+
+EC connector (``AsyncConnECConnector``; saves are per item, not per request):
+
+==========  =============================  ==================================  ==================================
+event       in-flight lookup               prefetch (staged on the workers)    producer save
+==========  =============================  ==================================  ==================================
+finished    discarded                      dropped; staging freed on the next  continues in the background;
+or aborted                                 step that runs the model            ``request_finished`` never returns
+                                                                               True; E's ``has_pending_push_work``
+                                                                               keeps the engine stepping until the
+                                                                               item is seen in the store or
+                                                                               ``arrival_timeout`` passes
+preempted   none outstanding for a         none across a step for a running    as above
+            running request; not asked     request; an evicted item is
+            anew on re-admission           re-encoded by vLLM
+==========  =============================  ==================================  ==================================
 """
 
 from __future__ import annotations
