@@ -33,6 +33,7 @@ T = TypeVar("T")
 _MAX_NAME = 200
 _TMP_PREFIX = ".tmp."
 _PARALLEL_MIN = 4 << 20
+_RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
 def _split_ranges(size: int, parts: int) -> list[tuple[int, int]]:
@@ -52,12 +53,15 @@ def _slice_views(views: Sequence[memoryview], start: int, end: int) -> list[memo
     return out
 
 
-def _pread_exact(fd: int, views: list[memoryview], offset: int) -> int:
-    """preadv until ``views`` are full or the file ends; return the bytes read."""
+def _pread_exact(fd: int, views: list[memoryview], offset: int, flags: int = 0) -> int:
+    """preadv until ``views`` are full or the file ends; return the bytes read.
+
+    With ``flags=RWF_NOWAIT`` a read that would wait for the disk raises BlockingIOError instead.
+    """
     done = 0
     views = [v for v in views if v.nbytes]
     while views:
-        n = os.preadv(fd, views, offset + done)
+        n = os.preadv(fd, views, offset + done, flags) if flags else os.preadv(fd, views, offset + done)
         if n == 0:
             break
         done += n
@@ -83,6 +87,9 @@ class FileBackend(StorageBackend):
         "fsync": Param.boolean(False, "fsync each file before renaming it into place (durability vs speed)"),
         "create": Param.boolean(True, "create the root directory if it does not exist"),
         "read_threads": Param.count(2, "threads that split one large (>= 4 MiB) read between them"),
+        "inline_reads": Param.boolean(
+            True, "read page-cached values on the loop (preadv RWF_NOWAIT); false on network filesystems"
+        ),
     }
     reads_into: ClassVar[bool] = True
 
@@ -94,6 +101,7 @@ class FileBackend(StorageBackend):
         fsync: bool = False,
         create: bool = True,
         read_threads: int = 2,
+        inline_reads: bool = True,
     ) -> None:
         self.root = Path(root)
         if create:
@@ -102,6 +110,7 @@ class FileBackend(StorageBackend):
             raise ConfigError(f"file:// root {str(self.root)!r} is not a directory")
         self.fsync = fsync
         self.read_threads = read_threads
+        self.inline_reads = inline_reads
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="asyncconn-file")
         # Helpers of split reads live in their own pool so a read never waits behind another read's job.
         self._aux = ThreadPoolExecutor(
@@ -123,6 +132,7 @@ class FileBackend(StorageBackend):
                 fsync=opts["fsync"],
                 create=opts["create"],
                 read_threads=opts["read_threads"],
+                inline_reads=opts["inline_reads"],
             )
         except OSError as exc:
             raise BackendUnavailable(f"file:// root {url.path!r} is not usable: {exc.strerror}") from exc
@@ -178,7 +188,9 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
 
-    def _read_into(self, key: str, dests: Sequence[memoryview], sink: Sink | None) -> int | None:
+    def _read_into(
+        self, key: str, dests: Sequence[memoryview], sink: Sink | None, nowait: bool = False
+    ) -> int | None:
         try:
             fd = os.open(self.path_for(key), os.O_RDONLY)
         except FileNotFoundError:
@@ -187,8 +199,11 @@ class FileBackend(StorageBackend):
             size = os.fstat(fd).st_size
             if size != sum(d.nbytes for d in dests):
                 return size
+            if nowait and size >= _PARALLEL_MIN:
+                # Large values read faster split over pool threads than in one piece here.
+                raise BlockingIOError(errno.EAGAIN, "large value: read it on the pool")
             views = [d.cast("B") for d in dests]
-            got = self._read_split(fd, views, size)
+            got = _pread_exact(fd, views, 0, _RWF_NOWAIT) if nowait else self._read_split(fd, views, size)
             if got != size:
                 return got  # short only if the file was truncated while open
             if sink is not None:
@@ -226,9 +241,12 @@ class FileBackend(StorageBackend):
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-                raise BackendUnavailable(f"file store {str(self.root)!r}: {exc.strerror}") from exc
-            raise BackendError(f"file store {str(self.root)!r}: {exc}") from exc
+            raise self._translate(exc) from exc
+
+    def _translate(self, exc: OSError) -> BackendError:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            return BackendUnavailable(f"file store {str(self.root)!r}: {exc.strerror}")
+        return BackendError(f"file store {str(self.root)!r}: {exc}")
 
     async def put(self, items: Sequence[tuple[str, Value]]) -> None:
         await asyncio.gather(*(self._run(self._write, k, v) for k, v in items))
@@ -238,6 +256,18 @@ class FileBackend(StorageBackend):
         return [(b,) if b is not None else None for b in found]
 
     async def get_into(self, key: str, dests: Sequence[memoryview], sink: Sink | None = None) -> int | None:
+        if self.inline_reads and _RWF_NOWAIT:
+            # A value already in the page cache is read right here: preadv(RWF_NOWAIT) never waits for the
+            # disk (it raises instead), and skipping the round trip through a pool thread is most of the cost
+            # of a cached read. Anything not cached goes to the pool below.
+            try:
+                return self._read_into(key, dests, sink, nowait=True)
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # e.g. a filesystem without NOWAIT
+                    raise self._translate(exc) from exc
+                self.inline_reads = False
         # A pool thread cannot be stopped mid-read. If the caller is cancelled (a timeout), wait for the
         # read to finish before letting the cancellation through, so the caller never recycles a buffer
         # that a thread is still writing into. Local reads are bounded; the wait is short.

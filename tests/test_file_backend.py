@@ -113,3 +113,24 @@ async def test_keys_map_to_bounded_fanout(tmp_path: Path) -> None:
     dirs = {p.parent for p in tmp_path.rglob("*") if p.is_file()}
     assert all(len(d.name) == 2 for d in dirs) and len(dirs) <= 256
     await b.close()
+
+
+@pytest.mark.parametrize("query", ["", "?inline_reads=false", "?read_threads=1"])
+@pytest.mark.parametrize("n", [1000, 3 << 20])
+async def test_direct_reads_on_every_path(tmp_path: Path, query: str, n: int) -> None:
+    """Page-cached small values are read on the loop (RWF_NOWAIT); large ones, or with inline reads off,
+    on the pool (split or not). Every path lands the same bytes and validates them."""
+    store = await TensorStore.open(f"file://{tmp_path}{query}")
+    t = torch.randn(n)
+    await store.put([("k", t)])
+    out = torch.empty(n)
+    assert await store.get_into("k", out) and torch.equal(out, t)
+    backend = store.backend
+    assert isinstance(backend, FileBackend)
+    path = backend.path_for("k")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert not await store.get_into("k", out)
+    assert store.stats.corrupt == 1
+    await store.close()
