@@ -194,7 +194,7 @@ async def probe_overwrites(
     Two stores take turns: the direct path (chunks land in the destination tensor) and the copying path
     it replaced (``reads_into`` turned off on that one backend: chunks into fresh buffers, then a copy).
     Reports each phase's p50 and the minor page faults per read, the figure that explained why 4 MiB
-    reads slowed down after overwrites (docs/fragments/redis.md). Runs on the caller's loop.
+    reads slowed down after overwrites (docs/redis.md). Runs on the caller's loop.
     """
     source = torch.randint(0, 256, (value_size,), dtype=torch.uint8)
     out = torch.empty_like(source)

@@ -277,7 +277,7 @@ class ChunkReader:
 
         Why: allocating a fresh buffer per chunk and copying it into the destination afterwards cost more
         than the network (a 1 MiB ``bytearray`` is zero-filled and, once glibc has handed the freed memory
-        back, page-faulted in again on every read; measured in docs/fragments/redis.md). A reply is the
+        back, page-faulted in again on every read; measured in docs/redis.md). A reply is the
         slot itself when it landed there, a ``bytearray`` (at most ``max_bulk`` bytes) when its length was not
         the slot's (the caller's layout guess was wrong: nothing was written to the slot), ``None`` for a
         missing key. The slots

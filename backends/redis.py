@@ -14,7 +14,7 @@ chunk has gone (a newer write or an eviction), and otherwise report a miss -- ne
 Speed: the put path hands redis-py memoryviews of the tensor, which it sends without joining them. The get
 path fetches one value's chunks over up to ``parallel`` connections at once, on plain TCP and unix sockets
 through :class:`backends._redis_reader.ChunkReader`, which receives each chunk straight into its own buffer
-(redis-py and hiredis copy every byte six times before the codec's copy; measured in docs/fragments/redis.md)
+(redis-py and hiredis copy every byte six times before the codec's copy; measured in docs/redis.md)
 -- and, for :meth:`RedisBackend.get_into`, straight into the caller's tensor, with no buffer per read.
 Every call is bounded by ``timeout``; redis-py's errors are translated here, in :meth:`RedisBackend._guard`,
 and never carry the password.
@@ -64,7 +64,7 @@ T = TypeVar("T")
 
 DEFAULT_PORT = 6379
 #: Writes want few large chunks, reads several to fetch in parallel: 1 MiB was the best compromise
-#: measured for 4 and 16 MiB values (docs/fragments/redis.md).
+#: measured for 4 and 16 MiB values (docs/redis.md).
 DEFAULT_CHUNK_SIZE = 1 << 20
 _TLS_PARAMS = ("tls_ca", "tls_cert", "tls_key", "tls_check_hostname")
 
@@ -376,7 +376,7 @@ class RedisBackend(StorageBackend):
         Why: going through :meth:`get` allocates a fresh buffer per chunk and copies it into the
         destination afterwards; with 1 MiB chunks glibc hands that memory back to the kernel between reads,
         so every read page-faulted 4 MiB in again and held 4 MiB gets near 0.4x of ``redis-benchmark``
-        (docs/fragments/redis.md). The chunk boundaries are predicted with :func:`split_value` over
+        (docs/redis.md). The chunk boundaries are predicted with :func:`split_value` over
         ``dests`` -- the cut the writer made of the same frame parts -- and every reply's length is
         checked against its slot. A value written with another ``chunk_size`` falls back to :meth:`get`
         and a copy; a lost chunk follows the new manifest once, as :meth:`get` does.

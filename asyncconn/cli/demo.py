@@ -3,7 +3,7 @@
 Runs each demo *part* -- a function returning ``{"title", "figures", "checks"}`` -- and prints the
 summaries; exits 1 if any check failed. Parts are listed in :data:`PARTS` by import path, so a part can be
 added (the KV wave) without touching the others. ``--bench`` measures the EC connector's scheduler-side
-costs instead (docs/fragments/ec.md).
+costs instead (docs/ec.md).
 
 Exit codes: 0 every check passed, 1 a check failed, 2 bad usage (an unknown part, a bad store URL).
 """

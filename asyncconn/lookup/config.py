@@ -25,7 +25,7 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class LookupConfig:
-    """Every lookup option (documented in docs/fragments/lookup.md)."""
+    """Every lookup option (documented in docs/lookup.md)."""
 
     backend_url: str | None = None
     lookup_server: str | None = None
