@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from asyncconn.config import Settings
 from asyncconn.exceptions import ConfigError
 from asyncconn.lookup.client import DEFAULT_TIMEOUT, LookupClient, Mode
 from asyncconn.lookup.transports import DirectTransport, LookupTransport, ZmqTransport
@@ -40,6 +41,17 @@ class LookupConfig:
             raise ConfigError(f"lookup: bad value {self.timeout!r} for 'lookup_timeout': must be > 0")
         if self.max_pending <= 0:
             raise ConfigError(f"lookup: bad value {self.max_pending!r} for 'lookup_max_pending': must be > 0")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LookupConfig:
+        """The lookup part of a connector's validated :class:`~asyncconn.config.Settings`."""
+        return cls(
+            backend_url=settings.backend_url,
+            lookup_server=settings.lookup_server,
+            timeout=settings.lookup_timeout,
+            key_prefix=settings.key_prefix,
+            max_pending=settings.lookup_max_pending,
+        )
 
     @classmethod
     def from_mapping(cls, extra: Mapping[str, Any]) -> LookupConfig:

@@ -78,16 +78,7 @@ class AsyncConnECConnector(ECConnectorBase):  # type: ignore[misc]
         self._scheduler: ECScheduler | None = None
         self._worker: ECWorker | None = None
         if role == ECConnectorRole.SCHEDULER:
-            lookup = open_lookup_client(
-                LookupConfig(
-                    backend_url=self.settings.backend_url,
-                    lookup_server=self.settings.lookup_server,
-                    timeout=self.settings.lookup_timeout,
-                    key_prefix=self.settings.key_prefix,
-                    max_pending=self.settings.lookup_max_pending,
-                ),
-                EXISTS,
-            )
+            lookup = open_lookup_client(LookupConfig.from_settings(self.settings), EXISTS)
             self._scheduler = ECScheduler(
                 self.settings,
                 lookup,

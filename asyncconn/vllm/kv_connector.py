@@ -111,16 +111,7 @@ class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
         if role == KVConnectorRole.SCHEDULER:
             lookup = None
             if config.is_kv_consumer:
-                lookup = open_lookup_client(
-                    LookupConfig(
-                        backend_url=self.settings.backend_url,
-                        lookup_server=self.settings.lookup_server,
-                        timeout=self.settings.lookup_timeout,
-                        key_prefix=self.settings.key_prefix,
-                        max_pending=self.settings.lookup_max_pending,
-                    ),
-                    PREFIX,
-                )
+                lookup = open_lookup_client(LookupConfig.from_settings(self.settings), PREFIX)
             self._scheduler = KVSchedulerSide(
                 keys,
                 lookup=lookup,
