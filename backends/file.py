@@ -13,6 +13,7 @@ so any key string is a safe file name and no directory grows without bound.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import hashlib
 import os
@@ -199,11 +200,8 @@ class FileBackend(StorageBackend):
             size = os.fstat(fd).st_size
             if size != sum(d.nbytes for d in dests):
                 return size
-            if nowait and size >= _PARALLEL_MIN:
-                # Large values read faster split over pool threads than in one piece here.
-                raise BlockingIOError(errno.EAGAIN, "large value: read it on the pool")
             views = [d.cast("B") for d in dests]
-            got = _pread_exact(fd, views, 0, _RWF_NOWAIT) if nowait else self._read_split(fd, views, size)
+            got = self._read_split(fd, views, size, _RWF_NOWAIT if nowait else 0)
             if got != size:
                 return got  # short only if the file was truncated while open
             if sink is not None:
@@ -216,16 +214,22 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
 
-    def _read_split(self, fd: int, views: list[memoryview], size: int) -> int:
-        """Split one large read over threads: the page-cache copy is the cost and preadv drops the GIL."""
+    def _read_split(self, fd: int, views: list[memoryview], size: int, flags: int = 0) -> int:
+        """Split one large read over threads: the page-cache copy is the cost and preadv drops the GIL.
+
+        The calling thread reads the first range itself. With ``flags=RWF_NOWAIT`` every range either comes
+        from the page cache or raises BlockingIOError (after all helpers have stopped).
+        """
         ranges = _split_ranges(size, self.read_threads if size >= _PARALLEL_MIN else 1)
-        helpers = [self._aux.submit(_pread_exact, fd, _slice_views(views, a, b), a) for a, b in ranges[1:]]
+        helpers = [
+            self._aux.submit(_pread_exact, fd, _slice_views(views, a, b), a, flags) for a, b in ranges[1:]
+        ]
         try:
             a, b = ranges[0]
-            got = _pread_exact(fd, _slice_views(views, a, b), a)
+            got = _pread_exact(fd, _slice_views(views, a, b), a, flags)
         finally:
-            rest = [h.result() for h in helpers]  # never let fd close under a running helper
-        return got + sum(rest)
+            concurrent.futures.wait(helpers)  # never let fd close under a running helper
+        return got + sum(h.result() for h in helpers)
 
     def _delete(self, key: str) -> bool:
         try:

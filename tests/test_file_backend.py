@@ -91,7 +91,7 @@ async def test_bad_file_urls() -> None:
 
 async def test_cancelled_direct_read_waits_for_the_thread(tmp_path: Path) -> None:
     """A timeout must not hand a buffer back while a pool thread still writes into it."""
-    backend = FileBackend(tmp_path, workers=1)
+    backend = FileBackend(tmp_path, workers=1, inline_reads=False)  # the pool path (inline reads never wait)
     value = os.urandom(8 << 20)
     await backend.put([("big", value)])
     buf = bytearray(len(value))
@@ -118,8 +118,8 @@ async def test_keys_map_to_bounded_fanout(tmp_path: Path) -> None:
 @pytest.mark.parametrize("query", ["", "?inline_reads=false", "?read_threads=1"])
 @pytest.mark.parametrize("n", [1000, 3 << 20])
 async def test_direct_reads_on_every_path(tmp_path: Path, query: str, n: int) -> None:
-    """Page-cached small values are read on the loop (RWF_NOWAIT); large ones, or with inline reads off,
-    on the pool (split or not). Every path lands the same bytes and validates them."""
+    """Page-cached values are read on the loop (RWF_NOWAIT, split over threads when large); with inline
+    reads off, on the pool. Every path lands the same bytes and validates them."""
     store = await TensorStore.open(f"file://{tmp_path}{query}")
     t = torch.randn(n)
     await store.put([("k", t)])
