@@ -144,6 +144,8 @@ _BUILTINS: dict[str, tuple[str, str | None]] = {
     "redis": ("backends.redis:RedisBackend", None),
     "rediss": ("backends.redis:RedisBackend", None),
     "unix": ("backends.redis:RedisBackend", None),
+    "redis+cluster": ("backends.redis_cluster:RedisClusterBackend", None),
+    "mooncake": ("backends.mooncake:MooncakeBackend", "asyncconn[mooncake]"),
 }
 _registered: dict[str, tuple[str | type[StorageBackend], str | None]] = {}
 _registry_lock = threading.Lock()

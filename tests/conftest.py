@@ -44,3 +44,37 @@ def runtime() -> Iterator[object]:
         yield rt
     finally:
         rt.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[object]:
+    """One 3-master Redis Cluster for the session (tests use distinct key prefixes)."""
+    from tests.servers_distributed import RedisCluster
+
+    if not (HAVE_REDIS and shutil.which("redis-cli")):
+        pytest.fail("redis-server/redis-cli are not installed; the README's test command installs them")
+    cluster = RedisCluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[object]:
+    """One mooncake_master (with its HTTP metadata server) for the session.
+
+    A missing extra fails the test rather than skipping it: the README's test command installs it, and a
+    skipped real-server test proves nothing.
+    """
+    import mooncake.store  # noqa: F401
+
+    from tests.servers_distributed import MooncakeMaster, find_mooncake_master
+
+    if find_mooncake_master() is None:
+        pytest.fail("mooncake_master is not installed (pip install 'asyncconn[mooncake]')")
+    master = MooncakeMaster().start()
+    try:
+        yield master
+    finally:
+        master.stop()

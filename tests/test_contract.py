@@ -1,6 +1,8 @@
 """The backend contract, one suite parametrized over every backend (aiocache style).
 
-redis runs against a real redis-server started by the session fixture on a free loopback port.
+redis runs against a real redis-server started by the session fixture on a free loopback port;
+redis+cluster against a real 3-master Redis Cluster, mooncake against a real mooncake_master (both session
+fixtures in conftest.py, on loopback ports).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from asyncconn.backend import StorageBackend, open_backend
 from asyncconn.exceptions import BackendError
 from asyncconn.store import TensorStore
 from tests.servers import RedisServer
+from tests.servers_distributed import MooncakeMaster, RedisCluster, mooncake_contract_url
 
-BACKENDS = ["memory", "file", "redis"]
+BACKENDS = ["memory", "file", "redis", "redis+cluster", "mooncake"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -27,6 +30,12 @@ def backend_url(request: pytest.FixtureRequest, tmp_path: object) -> str:
         return f"memory://contract-{uuid.uuid4().hex}"
     if kind == "file":
         return f"file://{tmp_path}/store"
+    if kind == "redis+cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        return f"{cluster.url}/?prefix=contract-{uuid.uuid4().hex[:8]}:&chunk_size=1MiB"
+    if kind == "mooncake":
+        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        return mooncake_contract_url(master)
     server: RedisServer = request.getfixturevalue("redis_server")
     return f"redis://127.0.0.1:{server.port}/0?prefix=contract-{uuid.uuid4().hex[:8]}:&chunk_size=1MiB"
 

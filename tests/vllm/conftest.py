@@ -19,8 +19,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 @pytest.fixture(scope="session")
 def vllm_scheduler_module() -> Any:
-    """vLLM's scheduler module, imported once per session (skips cleanly where vLLM is not installed)."""
-    return pytest.importorskip("vllm.v1.core.sched.scheduler")
+    """vLLM's scheduler module, imported once per session (the README's test command installs vLLM)."""
+    import vllm.v1.core.sched.scheduler as module
+
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,8 @@ import time
 import uuid
 from typing import Any
 
-import pytest
 import torch
-
-pytest.importorskip("vllm")
+import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-
-pytest.importorskip("vllm")
+import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.backend import open_backend
 from asyncconn.exceptions import ConfigError

@@ -11,9 +11,7 @@ import time
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
-
+import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 from vllm.v1.request import RequestStatus
 
 from asyncconn.vllm.sim import SimShape

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
+import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.exceptions import ConfigError
 from asyncconn.vllm.kv_demo import run_kv_demo

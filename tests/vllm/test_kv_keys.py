@@ -7,8 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
+import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.exceptions import ConfigError
 from asyncconn.lookup import store_key

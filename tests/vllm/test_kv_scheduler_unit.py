@@ -13,8 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
+import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.lookup import PREFIX, LookupClient
 from asyncconn.vllm.kv_keys import KeySpace, KVIdentity

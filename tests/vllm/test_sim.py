@@ -8,9 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-
-pytest.importorskip("vllm")
-
+import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 

@@ -1,0 +1,151 @@
+"""Side-by-side benchmark: ``mooncake://`` through ``TensorStore`` vs the raw Mooncake client in a loop.
+
+``python -m backends._mooncake_bench --url mooncake://127.0.0.1:50051?metadata=...`` alternates, per value
+size and round, N raw ``upsert``/``get`` calls of ``MooncakeDistributedStore`` from a plain Python loop and
+N of ours (``TensorStore.put`` / ``TensorStore.get_into`` into a preallocated tensor: framing, xxh3,
+timeouts and the thread hop included), on the *same* client (so both read from the same segments), one
+operation at a time, on the project's runtime loop. Ratios are throughput, ours over raw (>1: faster).
+``get_into`` of the raw client into a preallocated buffer is reported too, as the floor a zero-copy read can
+reach; then ours again with ``--clients`` operations in flight, against the same raw sequential figures.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import statistics
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from asyncconn.backend import open_backend
+from asyncconn.cli._measure import parse_sizes
+from asyncconn.runtime import Runtime
+from asyncconn.store import TensorStore
+from backends.mooncake import MooncakeBackend
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+async def _concurrent(store: TensorStore, source: torch.Tensor, clients: int, count: int) -> dict[str, float]:
+    """GB/s of ``count`` puts, then gets, with ``clients`` in flight (one overwritten key per client)."""
+    tag = uuid.uuid4().hex[:8]
+    keys = [f"conc-{tag}-{c}" for c in range(clients)]
+    dests = [torch.empty_like(source) for _ in range(clients)]
+    out: dict[str, float] = {}
+    for op in ("put", "get"):
+        todo = iter(range(count))
+
+        async def worker(c: int, op: str = op, todo: Any = todo) -> None:
+            for _ in todo:
+                if op == "put":
+                    await store.put([(keys[c], source)])
+                else:
+                    assert await store.get_into(keys[c], dests[c])
+
+        t = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in range(clients)))
+        out[op] = source.numel() * count / (time.perf_counter() - t) / 1e9
+    await store.delete(keys)
+    return out
+
+
+async def _bench(url: str, sizes: list[int], rounds: int, iterations: int, clients: int) -> dict[str, Any]:
+    backend = await open_backend(url)
+    assert isinstance(backend, MooncakeBackend)
+    store = TensorStore(backend, timeout=30)
+    raw = backend._store  # the same client: both paths read from and write to the same segments
+    results: list[dict[str, Any]] = []
+    try:
+        for size in sizes:
+            tag = uuid.uuid4().hex[:8]
+            source = torch.randint(0, 255, (size,), dtype=torch.uint8)
+            payload = source.numpy().tobytes()
+            dest = torch.empty_like(source)
+            raw_dest = bytearray(size)
+            raw_ptr = ctypes.addressof((ctypes.c_char * size).from_buffer(raw_dest))
+            times: dict[str, list[float]] = {
+                k: [] for k in ("raw_put", "put", "raw_get", "raw_get_into", "get")
+            }
+            for _ in range(rounds):
+                for _ in range(iterations):
+                    t = time.perf_counter()
+                    assert raw.upsert(f"raw-{tag}", payload) == 0
+                    times["raw_put"].append(time.perf_counter() - t)
+                for _ in range(iterations):
+                    t = time.perf_counter()
+                    await store.put([(f"ours-{tag}", source)])
+                    times["put"].append(time.perf_counter() - t)
+                for _ in range(iterations):
+                    t = time.perf_counter()
+                    got = raw.get(f"raw-{tag}")
+                    times["raw_get"].append(time.perf_counter() - t)
+                    assert len(got) == size
+                    del got
+                for _ in range(iterations):
+                    t = time.perf_counter()
+                    assert raw.get_into(f"raw-{tag}", raw_ptr, size) == size
+                    times["raw_get_into"].append(time.perf_counter() - t)
+                for _ in range(iterations):
+                    t = time.perf_counter()
+                    ok = await store.get_into(f"ours-{tag}", dest)
+                    times["get"].append(time.perf_counter() - t)
+                    assert ok
+            assert torch.equal(dest, source) and bytes(raw_dest) == payload
+            concurrent = await _concurrent(store, source, clients, rounds * iterations)
+            await store.delete([f"ours-{tag}"])
+            raw.remove(f"raw-{tag}", True)
+            p50 = {k: _median_ms(v) for k, v in times.items()}
+            results.append(
+                {
+                    "size": size,
+                    "p50_ms": p50,
+                    "gbps": {k: size / (v / 1e3) / 1e9 for k, v in p50.items()},
+                    "put_vs_raw_put": p50["raw_put"] / p50["put"],
+                    "get_vs_raw_get": p50["raw_get"] / p50["get"],
+                    "get_vs_raw_get_into": p50["raw_get_into"] / p50["get"],
+                    f"clients_{clients}_gbps": concurrent,
+                    f"clients_{clients}_put_vs_raw_put": concurrent["put"]
+                    / (size / p50["raw_put"] * 1e3 / 1e9),
+                    f"clients_{clients}_get_vs_raw_get": concurrent["get"]
+                    / (size / p50["raw_get"] * 1e3 / 1e9),
+                }
+            )
+    finally:
+        await backend.close()
+    return {
+        "url": backend.name,
+        "rounds": rounds,
+        "iterations": iterations,
+        "clients": clients,
+        "sizes": results,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--sizes", default="1MiB,4MiB,16MiB")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--clients", type=int, default=4, help="operations in flight for the concurrent pass")
+    args = parser.parse_args()
+    # On the project's runtime loop (uvloop when installed), as the connectors use it.
+    runtime = Runtime(name="mooncake-bench").start()
+    try:
+        coro = _bench(args.url, parse_sizes(args.sizes), args.rounds, args.iterations, args.clients)
+        result = runtime.run(coro, timeout=3600)
+    finally:
+        runtime.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
