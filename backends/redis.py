@@ -113,10 +113,25 @@ class RedisBackend(StorageBackend):
         timeout: float = 5.0,
         reader: ChunkReader | None = None,
     ) -> None:
-        if chunk_size <= 0:
-            raise ConfigError("redis:// URL: parameter 'chunk_size' must be > 0")
         self._pool = pool
         self._client = aioredis.Redis(connection_pool=pool)
+        self._settings("redis", name, password, prefix, ttl, chunk_size, parallel, timeout, reader)
+
+    def _settings(
+        self,
+        scheme: str,
+        name: str,
+        password: str | None,
+        prefix: str,
+        ttl: float,
+        chunk_size: int,
+        parallel: int,
+        timeout: float,
+        reader: ChunkReader | None,
+    ) -> None:
+        """The state every Redis flavour shares, whatever client it talks through."""
+        if chunk_size <= 0:
+            raise ConfigError(f"{scheme}:// URL: parameter 'chunk_size' must be > 0")
         self.name = name
         self._password = password
         self.prefix = prefix

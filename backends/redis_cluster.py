@@ -235,24 +235,12 @@ class RedisClusterBackend(RedisBackend):
         timeout: float = 5.0,
         reader: ChunkReader | None = None,
     ) -> None:
-        if chunk_size <= 0:
-            raise ConfigError("redis+cluster:// URL: parameter 'chunk_size' must be > 0")
         # Deliberately not RedisBackend.__init__, which builds a single-server client around a pool.
         # RedisCluster offers every command the inherited methods call (pipeline, mget, set, getdel,
         # exists, unlink, delete, ping) with the same signatures.
         self._cluster = client
         self._client = client  # type: ignore[assignment]
-        self.name = name
-        self._password = password
-        self.prefix = prefix
-        self.ttl = ttl
-        self._px = max(1, round(ttl * 1000)) if ttl > 0 else None
-        self.chunk_size = chunk_size
-        self.parallel = parallel
-        self.timeout = timeout
-        self._reader = reader
-        self._closed = False
-        self._reaping: set[asyncio.Task[None]] = set()
+        self._settings("redis+cluster", name, password, prefix, ttl, chunk_size, parallel, timeout, reader)
 
     @classmethod
     async def from_url(cls, url: StoreURL) -> RedisClusterBackend:
