@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         url = args.backend or f"file://{workdir / 'store'}"
         if url.rstrip("/") == "memory:":
             # An unnamed memory:// store is private to each engine: E's saves would be invisible to PD.
-            print("asyncconn demo: E and PD need one shared store; name it, e.g. memory://demo", file=sys.stderr)
+            print(
+                "asyncconn demo: E and PD need a shared store: name it, e.g. memory://demo", file=sys.stderr
+            )
             return 2
         try:
             if args.bench:

@@ -54,3 +54,8 @@ def test_bench_measures_calls_and_steps(tmp_path: Path) -> None:
     figures = summary["figures"]
     assert figures["ensure_cache_available calls"] > 0 and figures["has_cache_item calls"] > 0
     assert "nan" not in figures["install step (+1824-token prefill): schedule() / runner p50 (us)"]
+
+
+def test_unnamed_memory_store_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--backend", "memory://"]) == 2
+    assert "memory://demo" in capsys.readouterr().err
