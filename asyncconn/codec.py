@@ -115,6 +115,8 @@ class FrameHeader:
 
 def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
     """A flat uint8 memoryview over a contiguous CPU tensor's storage (no copy)."""
+    if tensor.numel() == 0:  # memoryview.cast refuses shapes holding a zero, e.g. (2, 0)
+        return memoryview(b"")
     # numpy arrays export the buffer protocol (their stubs do not say so). Going through numpy directly is
     # ~3x cheaper than reshape/view first, which only the dtypes numpy lacks (bfloat16, float8) need.
     array: Any = (

@@ -37,6 +37,10 @@ def _optional_endpoint(value: Any) -> str | None:
     return text
 
 
+def _optional_text(value: Any) -> str | None:
+    return None if value in (None, "") else str(value)
+
+
 def _positive_int(value: Any) -> int:
     if isinstance(value, bool):
         raise TypeError("expected an integer")
@@ -78,6 +82,9 @@ class Settings:
         _positive_duration, 5.0, "EC: how long PD waits for an item E announced but had not yet saved"
     )
     kv_blocks_per_value: int = _opt(_positive_int, 1, "KV: consecutive blocks stored under one key")
+    lookup_server_key: str | None = _opt(
+        _optional_text, None, "CURVE public key of the lookup server (Z85 text or a key/cert file)"
+    )
     ec_max_row_bytes: int = _opt(
         parse_size, 64 << 10, "EC: bound on one embedding row's bytes until the first load gives the size"
     )

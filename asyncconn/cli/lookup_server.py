@@ -13,9 +13,11 @@ import contextlib
 import signal
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
-from asyncconn.exceptions import AsyncConnError
+from asyncconn.exceptions import AsyncConnError, ConfigError
+from asyncconn.lookup.curve import CurveServerKeys, load_key
 from asyncconn.lookup.protocol import DEFAULT_MAX_KEYS
 from asyncconn.lookup.server import DEFAULT_BIND, LookupServer
 from asyncconn.store import TensorStore
@@ -34,10 +36,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-keys", type=int, default=DEFAULT_MAX_KEYS, help="keys accepted per request")
     parser.add_argument("--max-message", default="16MiB", help="frames larger than this drop the peer")
     parser.add_argument("--timeout", default="5s", help="store call timeout")
+    parser.add_argument(
+        "--curve-secret-key",
+        help="enable CURVE: the server's Z85 secret key, or a file holding it / a ZMQ cert",
+    )
+    parser.add_argument(
+        "--curve-clients", help="with CURVE: admit only client certificates in this directory"
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --bind without CURVE (no authentication)",
+    )
 
 
 async def serve(args: argparse.Namespace) -> int:
     """Open the store, bind, serve until a signal; the store and socket are closed on every path."""
+    curve = _curve(args)  # before the store is opened: a bad key must not leave it open
     try:
         store = await TensorStore.open(args.backend, timeout=parse_duration(args.timeout))
     except (AsyncConnError, ValueError) as exc:
@@ -50,6 +65,8 @@ async def serve(args: argparse.Namespace) -> int:
         key_prefix=args.key_prefix,
         max_keys=args.max_keys,
         max_message=parse_size(args.max_message),
+        curve=curve,
+        insecure=args.insecure,
     )
     try:
         try:
@@ -68,6 +85,15 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         await server.close()
         await store.close()
+
+
+def _curve(args: argparse.Namespace) -> CurveServerKeys | None:
+    if not args.curve_secret_key:
+        if args.curve_clients:
+            raise ConfigError("--curve-clients needs --curve-secret-key")
+        return None
+    secret = load_key(args.curve_secret_key, what="--curve-secret-key", secret=True)
+    return CurveServerKeys(secret, Path(args.curve_clients) if args.curve_clients else None)
 
 
 def run(args: argparse.Namespace) -> int:

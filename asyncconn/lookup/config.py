@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from asyncconn.config import Settings
 from asyncconn.exceptions import ConfigError
 from asyncconn.lookup.client import DEFAULT_TIMEOUT, LookupClient, Mode
+from asyncconn.lookup.curve import CurveClientKeys, load_key
 from asyncconn.lookup.transports import DirectTransport, LookupTransport, ZmqTransport
 from asyncconn.runtime import Runtime
 from asyncconn.url import parse_duration
@@ -33,6 +34,8 @@ class LookupConfig:
     timeout: float = DEFAULT_TIMEOUT
     key_prefix: str = ""
     max_pending: int = 100_000
+    #: CURVE public key of the lookup server (Z85 text or a key/certificate file); None: no CURVE.
+    server_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.backend_url and not self.lookup_server:
@@ -51,6 +54,7 @@ class LookupConfig:
             timeout=settings.lookup_timeout,
             key_prefix=settings.key_prefix,
             max_pending=settings.lookup_max_pending,
+            server_key=settings.lookup_server_key,
         )
 
     @classmethod
@@ -79,7 +83,10 @@ class LookupConfig:
 
     def transport(self) -> LookupTransport:
         if self.lookup_server:
-            return ZmqTransport(self.lookup_server)
+            curve = None
+            if self.server_key:
+                curve = CurveClientKeys(load_key(self.server_key, what="lookup_server_key"))
+            return ZmqTransport(self.lookup_server, curve=curve)
         assert self.backend_url is not None
         return DirectTransport(self.backend_url, key_prefix=self.key_prefix, timeout=self.timeout)
 

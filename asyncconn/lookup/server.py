@@ -20,7 +20,8 @@ the aligned count. No (group, boundary) entries are appended (one KV cache group
 Safety: every message is parsed by ``protocol.parse_body`` with size caps; anything malformed or oversized
 is answered with ``ERROR`` and counted, and the loop keeps serving. ``MAXMSGSIZE`` drops (disconnects) a
 peer that sends a frame larger than ``max_message`` before it is buffered. Binds loopback / ipc by
-default; an ipc socket file is made ``0600``; a non-loopback TCP bind is logged as a warning (no auth).
+default; an ipc socket file is made ``0600``; a non-loopback TCP bind needs CURVE keys (``curve``, see
+``lookup.curve``) and is refused without them unless ``insecure=True`` (then it is logged as a warning).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from dataclasses import dataclass, fields
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from asyncconn.exceptions import AsyncConnError, ConfigError, LookupProtocolError
+from asyncconn.lookup import curve as curve_keys
 from asyncconn.lookup import protocol
 from asyncconn.lookup.protocol import Kind, Query
 from asyncconn.lookup.transports import leading, send_nowait
@@ -46,7 +49,6 @@ __all__ = ["DEFAULT_BIND", "LookupServer", "ServerStats"]
 log = logging.getLogger(__name__)
 
 DEFAULT_BIND = "tcp://127.0.0.1:5570"
-_LOOPBACK = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:", "ipc://", "inproc://")
 
 
 @dataclass
@@ -80,6 +82,8 @@ class LookupServer:
         max_batch: int = 512,
         max_inflight: int = 64,
         on_reset: Callable[[], bool] | None = None,
+        curve: curve_keys.CurveServerKeys | None = None,
+        insecure: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ConfigError(f"lookup server: block_size must be > 0, got {block_size}")
@@ -92,6 +96,9 @@ class LookupServer:
         self.max_batch = max_batch
         self.stats = ServerStats()
         self._on_reset = on_reset
+        self._curve = curve
+        self._insecure = insecure
+        self._auth: AsyncioAuthenticator | None = None
         self._slots = asyncio.Semaphore(max_inflight)
         self._tasks: set[asyncio.Task[None]] = set()
         self._ctx: zmq.asyncio.Context | None = None
@@ -101,13 +108,21 @@ class LookupServer:
 
     async def start(self) -> str:
         """Bind and start serving; return the bound endpoint (the real port for ``tcp://host:*``)."""
-        if not self.bind.startswith(_LOOPBACK):
+        if not curve_keys.is_loopback(self.bind) and self._curve is None:
+            if not self._insecure:
+                raise ConfigError(
+                    f"lookup server: {self.bind!r} is reachable beyond this host: give CURVE keys, "
+                    "or pass insecure=True (--insecure) to serve it without authentication"
+                )
             log.warning(
                 "lookup server: binding %s, reachable beyond this host; it has no authentication", self.bind
             )
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         try:
+            if self._curve is not None:
+                self._auth = curve_keys.start_authenticator(ctx, self._curve)
+                curve_keys.apply_server(sock, self._curve)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
             sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -118,6 +133,7 @@ class LookupServer:
                 os.chmod(endpoint[len("ipc://") :], 0o600)
         except (zmq.ZMQError, OSError) as exc:
             sock.close(0)
+            self._stop_auth()
             ctx.term()
             raise ConfigError(f"lookup server: cannot bind {self.bind!r}: {exc}") from None
         self._ctx, self._sock, self.endpoint = ctx, sock, endpoint
@@ -150,9 +166,15 @@ class LookupServer:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close(0)
+        self._stop_auth()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.term()
+
+    def _stop_auth(self) -> None:
+        auth, self._auth = self._auth, None
+        if auth is not None:
+            auth.stop()
 
     # -- loop --------------------------------------------------------------------------------------------
     async def _read(self) -> None:

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from asyncconn.exceptions import AsyncConnError, ConfigError
 from asyncconn.lookup import protocol
+from asyncconn.lookup.curve import CurveClientKeys, apply_client
 from asyncconn.lookup.protocol import Key, Kind
 from asyncconn.store import TensorStore
 from asyncconn.url import redact
@@ -181,6 +182,7 @@ class ZmqTransport(LookupTransport):
         max_message: int = 64 * 1024 * 1024,
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 2000,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         if "://" not in endpoint:
             raise ConfigError(f"lookup_server: not a ZMQ endpoint: {endpoint!r} (e.g. tcp://127.0.0.1:5570)")
@@ -188,6 +190,7 @@ class ZmqTransport(LookupTransport):
         self._max_queued = max_queued
         self._max_message = max_message
         self._reconnect = (reconnect_ivl_ms, reconnect_ivl_max_ms)
+        self._curve = curve
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -205,6 +208,8 @@ class ZmqTransport(LookupTransport):
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_message)
             sock.setsockopt(zmq.RECONNECT_IVL, self._reconnect[0])
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect[1])
+            if self._curve is not None:
+                apply_client(sock, self._curve)
             sock.connect(self.endpoint)
         except zmq.ZMQError as exc:
             sock.close(0)
