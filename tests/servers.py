@@ -33,8 +33,28 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+class ServerProcess:
+    """Signals for a server subprocess held in ``self.proc``: freeze, thaw, kill (fault tests)."""
+
+    proc: subprocess.Popen[bytes] | None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(5)
+
+
 @dataclass
-class RedisServer:
+class RedisServer(ServerProcess):
     """One redis-server process on loopback; ``url`` is ready to hand to ``open_backend``."""
 
     port: int = field(default_factory=free_port)
@@ -75,20 +95,6 @@ class RedisServer:
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
         return self
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(5)
 
     def restart(self) -> None:
         self.kill()

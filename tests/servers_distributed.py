@@ -8,10 +8,8 @@ a node restarted on its port rejoins the cluster with its slots.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.servers import RedisServer, wait_port
+from tests.servers import RedisServer, ServerProcess, wait_port
 
 #: Redis Cluster nodes talk to each other on ``port + 10000`` (the cluster bus).
 _BUS_OFFSET = 10000
@@ -153,7 +151,7 @@ class RedisCluster:
 
 
 @dataclass
-class MooncakeMaster:
+class MooncakeMaster(ServerProcess):
     """One ``mooncake_master`` with its HTTP metadata server, both on free loopback ports."""
 
     rpc_port: int = 0
@@ -216,19 +214,6 @@ class MooncakeMaster:
     def log_text(self) -> str:
         path = Path(self.workdir) / "master.log"
         return path.read_text(errors="replace") if path.exists() else ""
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
 
     def restart(self) -> None:
         self.kill()

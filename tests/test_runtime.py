@@ -3,7 +3,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import sys
 import threading
 
 import pytest
@@ -123,7 +122,6 @@ def test_many_threads_submit_concurrently(runtime: Runtime) -> None:
     assert sorted(results) == sorted(k * 1000 + i for k in range(4) for i in range(200))
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="fork is POSIX-only")
 def test_forked_child_gets_a_fresh_runtime() -> None:
     parent = get_runtime()
     assert parent.run(_add(1, 1), timeout=5) == 2
