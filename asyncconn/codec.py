@@ -6,10 +6,11 @@ Layout (all integers little-endian)::
     version    u8   FORMAT_VERSION
     dtype      u8   code from _DTYPES (never a free-form string: nothing read is evaluated)
     ndim       u8   <= MAX_NDIM
-    flags      u8   0 (reserved; a non-zero value is rejected)
+    flags      u8   bit 0 = FLAG_KEYED (the checksum is seeded with the key); other bits are rejected
     length     u64  payload bytes
     shape      ndim x u64
-    checksum   u64  xxh3_64 of every header byte before it, then of the payload
+    checksum   u64  xxh3_64 of every header byte before it, then of the payload; seeded with
+                    xxh64(key) when the frame is bound to a key
     payload    `length` bytes, C-contiguous
 
 The checksum covers the header as well as the payload, so a flipped dtype code (float16 <-> bfloat16 have
@@ -17,6 +18,12 @@ the same item size) or shape is caught, not decoded into a plausible wrong tenso
 field and the checksum over the *source* bytes before any byte is copied into a destination tensor, and
 accepts the payload as a sequence of chunks (as stores that split large values return it) so values are
 never joined into an intermediate ``bytes`` object. There is no pickle anywhere in this path.
+
+Key binding: a frame encoded with ``key=`` sets ``FLAG_KEYED`` and seeds its checksum with a hash of the key,
+and decoding with ``key=`` accepts only a frame bound to that same key. A valid frame copied or renamed to
+another key (a buggy tool, a restore into the wrong prefix, someone's "cache warming" script) would otherwise
+decode cleanly into a plausible tensor of the right shape -- the one failure a checksum alone cannot see. The
+seed costs nothing per byte; :class:`~asyncconn.store.TensorStore` always binds.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from asyncconn.exceptions import (
 )
 
 __all__ = [
+    "FLAG_KEYED",
     "FORMAT_VERSION",
     "MAGIC",
     "Chunks",
@@ -50,6 +58,7 @@ __all__ = [
     "encode_parts",
     "frame_size",
     "header_size",
+    "key_seed",
     "parse_header",
     "tensor_bytes",
     "verify_split",
@@ -57,6 +66,8 @@ __all__ = [
 
 MAGIC = b"ACNF"
 FORMAT_VERSION = 1
+#: Header flag: the checksum is seeded with :func:`key_seed` of the key the frame was written under.
+FLAG_KEYED = 0x01
 MAX_NDIM = 16
 DEFAULT_MAX_PAYLOAD = 1 << 36  # 64 GiB: far above any embedding or KV value, far below a wrapped u64
 
@@ -107,6 +118,7 @@ class FrameHeader:
     payload_len: int
     checksum: int
     header_len: int
+    flags: int = 0
 
     @property
     def frame_len(self) -> int:
@@ -137,15 +149,34 @@ def header_size(ndim: int) -> int:
     return _FIXED.size + 8 * ndim + 8
 
 
-def _header_prefix(dtype: torch.dtype, shape: Sequence[int], payload_len: int) -> bytes:
+Key = str | bytes
+
+
+def key_seed(key: Key) -> int:
+    """The xxh3 seed of a frame bound to ``key`` (xxh64 of its UTF-8 bytes)."""
+    return xxhash.xxh64_intdigest(key.encode() if isinstance(key, str) else key)
+
+
+def _seed(flags: int, key: Key | None) -> int:
+    """Checksum seed for a frame with ``flags`` read as ``key``; a binding that does not match is an error."""
+    if flags & FLAG_KEYED:
+        if key is None:
+            raise FrameMismatch("frame is bound to a key; decode it with key=")
+        return key_seed(key)
+    if key is not None:
+        raise FrameCorrupt("frame is not bound to a key, but it was read from one")
+    return 0
+
+
+def _header_prefix(dtype: torch.dtype, shape: Sequence[int], payload_len: int, flags: int = 0) -> bytes:
     code = _CODES.get(dtype)
     if code is None:
         raise FrameMismatch(f"dtype {dtype} cannot be encoded (supported: {sorted(map(str, _CODES))})")
     if len(shape) > MAX_NDIM:
         raise FrameMismatch(f"tensor has {len(shape)} dims; at most {MAX_NDIM} can be encoded")
-    return _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), 0, payload_len) + _SHAPES[len(shape)].pack(
-        *shape
-    )
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), flags, payload_len) + _SHAPES[
+        len(shape)
+    ].pack(*shape)
 
 
 def frame_size(tensor: torch.Tensor) -> int:
@@ -153,8 +184,8 @@ def frame_size(tensor: torch.Tensor) -> int:
     return header_size(tensor.dim()) + tensor.numel() * tensor.element_size()
 
 
-def encode_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview]:
-    """Encode without copying the payload: ``(header, payload_view)``.
+def encode_parts(tensor: torch.Tensor, *, key: Key | None = None) -> tuple[bytes, memoryview]:
+    """Encode without copying the payload: ``(header, payload_view)``; ``key`` binds the frame to its key.
 
     The tensor is moved to the CPU and made contiguous if needed; the returned view keeps that CPU copy
     alive, so callers may write the two parts out (``writev``, a pipeline) without joining them.
@@ -164,15 +195,16 @@ def encode_parts(tensor: torch.Tensor) -> tuple[bytes, memoryview]:
         t = t.cpu()
     t = t.contiguous()
     payload = _as_bytes_view(t)
-    prefix = _header_prefix(t.dtype, tuple(t.shape), payload.nbytes)
-    h = xxhash.xxh3_64(prefix)
+    flags = 0 if key is None else FLAG_KEYED
+    prefix = _header_prefix(t.dtype, tuple(t.shape), payload.nbytes, flags)
+    h = xxhash.xxh3_64(prefix, seed=_seed(flags, key))
     h.update(payload)
     return prefix + _U64.pack(h.intdigest()), payload
 
 
-def encode(tensor: torch.Tensor) -> bytes:
+def encode(tensor: torch.Tensor, *, key: Key | None = None) -> bytes:
     """Encode into one ``bytes`` object (one payload copy; use :func:`encode_parts` to avoid it)."""
-    header, payload = encode_parts(tensor)
+    header, payload = encode_parts(tensor, key=key)
     return header + payload.tobytes()
 
 
@@ -227,7 +259,7 @@ def _parse_head(head: Buffer, max_payload: int) -> FrameHeader:
         raise FrameCorrupt(f"not an asyncconn frame (magic {bytes(magic)!r})")
     if version != FORMAT_VERSION:
         raise FrameVersionError(f"frame format version {version}; this build reads {FORMAT_VERSION}")
-    if flags != 0:
+    if flags & ~FLAG_KEYED:
         raise FrameCorrupt(f"frame has unknown flags {flags:#x}")
     dtype = _DTYPES.get(code)
     if dtype is None:
@@ -246,7 +278,7 @@ def _parse_head(head: Buffer, max_payload: int) -> FrameHeader:
     if numel * dtype.itemsize != length:
         raise FrameCorrupt(f"frame shape {shape} x {dtype} does not match its payload length {length}")
     (checksum,) = _U64.unpack_from(head, header_len - 8)
-    return FrameHeader(dtype, shape, length, checksum, header_len)
+    return FrameHeader(dtype, shape, length, checksum, header_len, flags)
 
 
 def _check_total(header: FrameHeader, total: int) -> None:
@@ -274,7 +306,9 @@ def parse_header(data: Buffer | Chunks, *, max_payload: int = DEFAULT_MAX_PAYLOA
     return header
 
 
-def _verified_payload(data: Buffer | Chunks, max_payload: int) -> tuple[FrameHeader, list[memoryview]]:
+def _verified_payload(
+    data: Buffer | Chunks, max_payload: int, key: Key | None
+) -> tuple[FrameHeader, list[memoryview]]:
     single = data if isinstance(data, (bytes, bytearray, memoryview)) else data[0] if len(data) == 1 else None
     if single is not None:  # the common case: no cursor, no header copy
         view = memoryview(single)
@@ -291,12 +325,15 @@ def _verified_payload(data: Buffer | Chunks, max_payload: int) -> tuple[FrameHea
         _check_total(header, cursor.total)
         prefix = head[:-8]
         views = cursor.views(header.payload_len)
-    h = xxhash.xxh3_64(prefix)
+    h = xxhash.xxh3_64(prefix, seed=_seed(header.flags, key))
     for v in views:
         h.update(v)
     if h.intdigest() != header.checksum:
-        raise FrameCorrupt("frame checksum mismatch (corrupted payload or header)")
+        raise FrameCorrupt(_MISMATCH)
     return header, views
+
+
+_MISMATCH = "frame checksum mismatch (corrupted payload or header, or a frame written under another key)"
 
 
 def _copy_views(views: list[memoryview], dest: memoryview) -> None:
@@ -306,9 +343,14 @@ def _copy_views(views: list[memoryview], dest: memoryview) -> None:
         offset += view.nbytes
 
 
-def decode(data: Buffer | Chunks, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> torch.Tensor:
-    """Validate a frame and return a new CPU tensor holding its payload (one copy)."""
-    header, views = _verified_payload(data, max_payload)
+def decode(
+    data: Buffer | Chunks, *, max_payload: int = DEFAULT_MAX_PAYLOAD, key: Key | None = None
+) -> torch.Tensor:
+    """Validate a frame and return a new CPU tensor holding its payload (one copy).
+
+    ``key``: the key the frame was read from; the frame must be bound to it (and must be unbound without it).
+    """
+    header, views = _verified_payload(data, max_payload, key)
     out = torch.empty(header.shape, dtype=header.dtype)
     if header.payload_len:
         _copy_views(views, _as_bytes_view(out))
@@ -316,14 +358,18 @@ def decode(data: Buffer | Chunks, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> 
 
 
 def decode_into(
-    data: Buffer | Chunks, out: torch.Tensor, *, max_payload: int = DEFAULT_MAX_PAYLOAD
+    data: Buffer | Chunks,
+    out: torch.Tensor,
+    *,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    key: Key | None = None,
 ) -> FrameHeader:
     """Validate a frame, then copy its payload into ``out`` (a contiguous CPU tensor, e.g. pinned staging).
 
     ``out`` must have the frame's dtype and number of elements (a reshaped view is accepted); otherwise
     :class:`FrameMismatch` is raised and ``out`` is untouched, as it is for every other error.
     """
-    header, views = _verified_payload(data, max_payload)
+    header, views = _verified_payload(data, max_payload, key)
     if out.dtype != header.dtype or out.numel() * out.element_size() != header.payload_len:
         raise FrameMismatch(
             f"frame holds {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}"
@@ -343,10 +389,13 @@ class FrameVerifier:
     hands the destination on unless :meth:`finish` returns: until then it is only a staging buffer.
     """
 
-    __slots__ = ("_hash", "_head", "_header", "_max_payload", "_out", "_seen")
+    __slots__ = ("_hash", "_head", "_header", "_key", "_max_payload", "_out", "_seen")
 
-    def __init__(self, out: torch.Tensor, *, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+    def __init__(
+        self, out: torch.Tensor, *, max_payload: int = DEFAULT_MAX_PAYLOAD, key: Key | None = None
+    ) -> None:
         self._out = out
+        self._key = key
         self._max_payload = max_payload
         self._head = bytearray()
         self._header: FrameHeader | None = None
@@ -371,7 +420,8 @@ class FrameVerifier:
                 piece = piece[take.nbytes :]
             if len(self._head) < self._header_len():
                 return
-            self._header = _parse_head(self._head, self._max_payload)
+            self._header = header = _parse_head(self._head, self._max_payload)
+            self._hash = xxhash.xxh3_64(seed=_seed(header.flags, self._key))
             self._hash.update(memoryview(self._head)[:-8])
         if piece.nbytes:
             self._hash.update(piece)
@@ -389,23 +439,29 @@ class FrameVerifier:
                 f"frame holds {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}"
             )
         if self._hash.intdigest() != header.checksum:
-            raise FrameCorrupt("frame checksum mismatch (corrupted payload or header)")
+            raise FrameCorrupt(_MISMATCH)
         return header
 
 
-def verify_split(header: Buffer, payload: memoryview, out: torch.Tensor) -> FrameHeader:
+def verify_split(
+    header: Buffer, payload: memoryview, out: torch.Tensor, *, key: Key | None = None
+) -> FrameHeader:
     """Check a frame read in two pieces: the header, and the payload already in ``out``'s memory."""
-    verifier = FrameVerifier(out)
+    verifier = FrameVerifier(out, key=key)
     verifier.feed(memoryview(header).cast("B"))
     verifier.feed(payload)
     return verifier.finish()
 
 
 def decode_into_buffer(
-    data: Buffer | Chunks, dest: memoryview, *, max_payload: int = DEFAULT_MAX_PAYLOAD
+    data: Buffer | Chunks,
+    dest: memoryview,
+    *,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    key: Key | None = None,
 ) -> FrameHeader:
     """Validate a frame and copy its payload to the start of a raw byte buffer (a staging slab)."""
-    header, views = _verified_payload(data, max_payload)
+    header, views = _verified_payload(data, max_payload, key)
     if dest.nbytes < header.payload_len:
         raise FrameMismatch(f"frame payload is {header.payload_len} bytes, buffer holds {dest.nbytes}")
     _copy_views(views, dest.cast("B") if dest.format != "B" else dest)

@@ -86,7 +86,7 @@ class TensorStore:
         batch = []
         nbytes = 0
         for key, tensor in items:
-            header, payload = codec.encode_parts(tensor)
+            header, payload = codec.encode_parts(tensor, key=key)
             batch.append((key, (header, payload)))
             nbytes += len(header) + payload.nbytes
         if not batch:
@@ -105,7 +105,7 @@ class TensorStore:
             tensor = None
             if chunks is not None:
                 try:
-                    tensor = codec.decode(chunks, max_payload=self.max_payload)
+                    tensor = codec.decode(chunks, max_payload=self.max_payload, key=key)
                 except CodecError as exc:
                     self._corrupt(key, exc)
                 else:
@@ -132,7 +132,7 @@ class TensorStore:
             status = Fetch.MISS
             if chunks is not None:
                 try:
-                    codec.decode_into(chunks, out, max_payload=self.max_payload)
+                    codec.decode_into(chunks, out, max_payload=self.max_payload, key=key)
                     status = Fetch.HIT
                     self.stats.bytes_read += sum(memoryview(c).nbytes for c in chunks)
                 except CodecError as exc:
@@ -144,7 +144,7 @@ class TensorStore:
     async def _get_into_direct(self, key: str, out: torch.Tensor) -> Fetch:
         header_buf = bytearray(codec.header_size(out.dim()))
         payload = codec.tensor_bytes(out)
-        verifier = codec.FrameVerifier(out, max_payload=self.max_payload)
+        verifier = codec.FrameVerifier(out, max_payload=self.max_payload, key=key)
         try:
             length = await self._call(
                 self.backend.get_into(key, [memoryview(header_buf), payload], verifier.feed), "get"

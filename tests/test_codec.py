@@ -131,7 +131,7 @@ def test_wrong_version_magic_flags_and_trailing_bytes() -> None:
     with pytest.raises(FrameCorrupt, match="magic"):
         codec.decode(b"GIF89a" + bytes(frame[6:]))
     f = bytearray(frame)
-    f[7] = 1
+    f[7] = 2  # bit 0 is FLAG_KEYED; the others are reserved
     with pytest.raises(FrameCorrupt, match="flags"):
         codec.decode(bytes(f))
     with pytest.raises(FrameCorrupt, match="trailing"):
@@ -210,3 +210,36 @@ def test_fuzz_mutated_frames_error_or_roundtrip(data: st.DataObject) -> None:
     except CodecError:
         return
     assert torch.equal(out, t)  # only an untouched frame may decode
+
+
+def test_a_frame_is_bound_to_its_key() -> None:
+    """A valid frame moved to another key is corrupt there: a checksum alone cannot see that."""
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    frame = codec.encode(t, key="ec:img-a")
+    assert frame[7] == codec.FLAG_KEYED
+    assert torch.equal(codec.decode(frame, key="ec:img-a"), t)
+    assert torch.equal(codec.decode(frame, key=b"ec:img-a"), t)  # str and bytes keys agree
+    with pytest.raises(FrameCorrupt, match="another key"):
+        codec.decode(frame, key="ec:img-b")
+    out = torch.full((3, 4), -1.0)
+    with pytest.raises(FrameCorrupt, match="another key"):
+        codec.decode_into(frame, out, key="ec:img-b")
+    assert torch.equal(out, torch.full((3, 4), -1.0))  # untouched on error
+    with pytest.raises(FrameMismatch, match="bound to a key"):
+        codec.decode(frame)
+    unbound = codec.encode(t)
+    with pytest.raises(FrameCorrupt, match="not bound"):
+        codec.decode(unbound, key="ec:img-a")
+
+
+def test_verifier_checks_the_key_binding() -> None:
+    t = torch.randn(64)
+    header, payload = codec.encode_parts(t, key="k1")
+    out = torch.empty(64)
+    assert codec.verify_split(header, payload, out, key="k1").shape == (64,)
+    with pytest.raises(FrameCorrupt):
+        codec.verify_split(header, payload, out, key="k2")
+    dest = memoryview(bytearray(256))
+    with pytest.raises(FrameCorrupt):
+        codec.decode_into_buffer(header + payload.tobytes(), dest, key="k2")
+    assert codec.decode_into_buffer(header + payload.tobytes(), dest, key="k1").payload_len == 256

@@ -180,3 +180,18 @@ async def test_tensor_store_roundtrip_and_bad_values_are_misses(backend: Storage
     assert store.stats.corrupt == 3
     # Wrong destination shape/dtype: a miss (counted), the destination is never handed on.
     assert not await store.get_into("t2", torch.empty(10, dtype=torch.float32))
+
+
+async def test_a_value_copied_to_another_key_is_a_miss_there(backend: StorageBackend) -> None:
+    """Frames are bound to their key: a stored value copied or renamed under another key is never served."""
+    store = TensorStore(backend, timeout=10)
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    await store.put([("img-a", a), ("img-b", b)])
+    (raw_a,) = await backend.get(["img-a"])
+    assert raw_a is not None
+    await backend.put([("img-b", b"".join(bytes(c) for c in raw_a))])  # a's bytes, same shape, under b
+    got = await store.get(["img-a", "img-b"])
+    assert got[0] is not None and torch.equal(got[0], a) and got[1] is None
+    out = torch.empty(4, 8)
+    assert not await store.get_into("img-b", out)
+    assert store.stats.corrupt >= 2
