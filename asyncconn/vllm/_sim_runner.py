@@ -322,14 +322,19 @@ class SimWorker:
                 self.ec_connector.save_caches(encoder_cache=self.encoder_cache, mm_hash=item.mm_hash)
 
     def _gather(self, plan: StepPlan, result: WorkerStepResult) -> None:
-        """``_gather_mm_embeddings``: every row a scheduled token needs must be in the encoder cache."""
+        """``_gather_mm_embeddings``: every row a scheduled token needs must be in the encoder cache.
+
+        A miss fails the step as it does in vLLM (both GPU model runners raise ``RuntimeError("Encoder cache
+        miss for <hash>.")``, which takes the engine down): a connector that lets vLLM plan no encoder run
+        for an item it then fails to install is caught here, never papered over."""
         for row in plan.rows:
             for rows in row.gathers:
                 cached = self.encoder_cache.get(rows.mm_hash)
                 if cached is None or cached.shape[0] < rows.end:
                     raise SimulationError(
-                        f"encoder cache miss: request {rows.req_id} needs rows {rows.start}:{rows.end} of "
-                        f"item {rows.mm_hash}, which was neither encoded nor loaded"
+                        f"Encoder cache miss for {rows.mm_hash}. Request {rows.req_id} needs rows "
+                        f"{rows.start}:{rows.end}, neither encoded nor loaded (vLLM's runner raises the "
+                        "same on an encoder cache miss, and its engine dies)"
                     )
                 result.gathered.append((rows, cached[rows.start : rows.end]))
 

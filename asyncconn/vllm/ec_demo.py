@@ -4,7 +4,11 @@ A stream of multimodal requests with repeated images goes to E (``ec_producer``)
 each image; as each E request finishes, the "proxy" (this function) forwards it to PD (``ec_consumer``, two
 simulated workers) with E's ``ec_transfer_params`` -- possibly before E's save has landed, which is the race
 the connector closes. PD loads instead of encoding. The summary says what moved and checks that every
-embedding PD used is byte-identical to what E stored and that PD's encoder never ran for a stored image.
+embedding PD used is byte-identical to what E stored and that PD's encoder ran for a stored image only
+where the connector released a request on a stalled engine: the simulator follows vLLM's V1 runner, which
+skips the EC hooks on a step with no tokens, so a request arriving at an idle PD cannot be prefetched for;
+it is encoded (never admitted on a load at install that could fail and crash the engine), and its step
+starts the prefetches of the requests behind it.
 
 :func:`run_ec_demo` returns the summary as a dict (``title``, ``figures``, ``checks``), so that ``asyncconn
 demo`` can print it beside other parts (a KV part follows the same shape).
@@ -106,6 +110,7 @@ def run_ec_demo(
         loaded_bytes = pd_counts.get("loaded_bytes", 0)
         saved_bytes = saver.saved_bytes if saver is not None else 0
         distinct = {item.identifier for items in plan.values() for item in items}
+        released = pd_counts.get("encode_stalled", 0) + pd_counts.get("encode_budget", 0)
         figures: dict[str, Any] = {
             "requests": requests,
             "distinct images": len(distinct),
@@ -119,7 +124,8 @@ def run_ec_demo(
             ),
             "PD deferrals (ensure_cache_available -> False)": pd_counts.get("deferrals", 0),
             "PD prefetch hits (admitted after prefetch)": pd_counts.get("admit_prefetched", 0),
-            "PD loads at install (idle engine / budget)": pd_counts.get("admit_sync", 0),
+            "PD items sent to the encoder (stalled / budget)": released,
+            "PD encoder runs": len(pd.encoder_runs()),
             "PD waits for items E announced": pd_counts.get("arrivals_awaited", 0),
             "PD workers": pd_workers,
             "bytes saved by E": saved_bytes,
@@ -131,7 +137,10 @@ def run_ec_demo(
         }
         checks = {
             "every embedding PD used equals what E stored": used_ok,
-            "PD's encoder never ran for a stored image": pd.encoder_runs() == [],
+            "PD's encoder ran for a stored image only on a stalled engine's release": len(pd.encoder_runs())
+            <= released,
+            "PD loaded most items (prefetch hits > encoder runs)": pd_counts.get("admit_prefetched", 0)
+            > len(pd.encoder_runs()),
             "every PD request finished": all(pd.finish_reasons.get(r) == "length" for r in plan),
             "E handed every request over with ec_transfer_params": all(delayed) and len(delayed) == requests,
             "E leak check (requests, queues, encoder cache, KV blocks)": e.leak_check() == [],

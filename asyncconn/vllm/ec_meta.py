@@ -34,13 +34,16 @@ class ECStepMetadata:
     """Scheduler -> workers, once per step that runs the model.
 
     ``drop`` is applied first (prefetches nobody needs any more: free them), then ``prefetch`` (start loading
-    into staging, report readiness), then ``install`` (put the item into ``encoder_cache`` now: from staging
-    when prefetched, else loaded synchronously within ``load_timeout``).
+    into staging, report readiness), then ``install`` (put the staged item into ``encoder_cache`` now; the
+    scheduler orders an install only for an item every worker reported staged). ``step_tokens`` is the
+    step's scheduled token count: a worker that sees 0 learns that its runner calls the EC hooks on empty
+    steps (vLLM's V2 model runner does, the V1 runner does not) and says so in its report.
     """
 
     prefetch: list[ItemRef] = field(default_factory=list)
     install: list[ItemRef] = field(default_factory=list)
     drop: list[str] = field(default_factory=list)
+    step_tokens: int = -1  # -1: unknown (a metadata object built by hand)
 
     def is_empty(self) -> bool:
         return not (self.prefetch or self.install or self.drop)
@@ -51,13 +54,15 @@ class ECWorkerReport:
     """Workers -> scheduler, every step: who reported, what became ready where, what failed, counters.
 
     ``workers`` is always set (a heartbeat), so the scheduler learns how many workers must report an item
-    ready before a request that needs it is admitted.
+    ready before a request that needs it is admitted. ``empty_step_hooks`` is True once the worker's EC
+    hooks ran on a step with no scheduled tokens: prefetches then progress on an otherwise idle engine.
     """
 
     workers: frozenset[str] = frozenset()
     ready: dict[str, frozenset[str]] = field(default_factory=dict)  # mm hash -> worker ids that staged it
     failed: dict[str, str] = field(default_factory=dict)  # mm hash -> failure reason (miss, corrupt, ...)
     counts: dict[str, int] = field(default_factory=dict)  # worker counters since the previous report
+    empty_step_hooks: bool = False
 
     def aggregate(self, other: ECWorkerReport) -> ECWorkerReport:
         """vLLM's merge of two workers' reports (``ECOutputAggregator``): unions and sums, never in place."""
@@ -72,4 +77,5 @@ class ECWorkerReport:
             ready=ready,
             failed={**self.failed, **other.failed},
             counts=counts,
+            empty_step_hooks=self.empty_step_hooks or other.empty_step_hooks,
         )

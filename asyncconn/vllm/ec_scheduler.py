@@ -9,17 +9,29 @@ An item the lookup finds goes through these states (one :class:`_Item` per mm ha
 request that needs it)::
 
     LOOKUP -> FOUND -> ORDERED -> READY -> INSTALLED   the prefetch path (the request waits meanwhile)
-              FOUND or ORDERED -> SYNC -> INSTALLED    idle engine or staging budget full: load at install
     LOOKUP -> ARRIVING -> (looked up again) -> FOUND   E announced it is saving it (bounded wait)
     LOOKUP -> MISS                                     not stored, lookup error or timeout: encoder runs
+    FOUND, ORDERED or ARRIVING -> MISS                 released to the encoder (stalled engine, full budget)
+    ORDERED -> MISS                                    a worker's prefetch failed: encoder runs
 
-ORDERED items are sent to the workers in the step metadata; each worker reports the ids of the items it has
-staged (see :mod:`~asyncconn.vllm.ec_meta`) and the item is READY once every worker has. Why SYNC exists:
-vLLM runs the worker-side EC hooks only on steps that schedule tokens, so a prefetch ordered while the
-engine is otherwise idle would never be started; admitting the request and loading at install costs
-nothing there, since nothing else is running. The staging budget (``max_inflight_loads`` items ordered and
-not installed) is bounded the same way: past it an item is loaded at install rather than waited for, so
-admission can never deadlock on staging held by requests that are themselves waiting.
+The one rule that keeps vLLM from crashing: ``has_cache_item`` is True only for a READY item, one that
+*every* worker has reported staged (loaded, checked, held). vLLM then plans no encoder run for it and
+``_gather_mm_embeddings`` raises ("Encoder cache miss") if it is not in ``encoder_cache`` by the forward
+pass; a staged copy cannot fail to install, whereas a load started at install can (store down, value gone
+or corrupt, timeout). Anything not yet confirmed is either waited for or planned for the encoder.
+
+Waiting needs the workers to run: ORDERED items reach them in the step metadata and readiness comes back in
+their reports, and vLLM's V1 GPU model runner skips the EC hooks on a step that schedules no tokens (its
+V2 runner calls them, ``no_forward``). A worker that sees an empty step's metadata says so in its report;
+until one has, an engine whose previous step scheduled nothing is *stalled*: nothing would ever move a
+prefetch. Then one waiting request per step is released -- its found, ordered or announced items go to
+the encoder -- which makes the step non-empty, so the other requests' prefetches start. The staging budget
+(``max_inflight_loads`` items ordered and not installed) is bounded the same way: past it an item goes to
+the encoder rather than waiting, so admission can never deadlock on staging held by waiting requests.
+
+Preemption: vLLM frees a preempted request's encoder inputs; when it comes back its installed and missed
+items are looked up again (the store may have lost or gained them since) and it waits for nothing vLLM
+already allocated to it before.
 
 Only the scheduler thread calls this class; the lookup client is the only thing shared with the loop.
 """
@@ -57,12 +69,13 @@ class ItemState(enum.Enum):
     FOUND = "found"
     ORDERED = "ordered"
     READY = "ready"
-    SYNC = "sync"
     INSTALLED = "installed"
 
 
 _WAIT = frozenset({ItemState.NEW, ItemState.LOOKUP, ItemState.ARRIVING, ItemState.FOUND, ItemState.ORDERED})
-_LOADABLE = frozenset({ItemState.READY, ItemState.SYNC})
+#: Waiting states a stalled engine may hand to the encoder (a lookup still in flight is waited for: it
+#: progresses on the loop thread, and meanwhile a V2 runner's workers can say they run on empty steps).
+_RELEASABLE = frozenset({ItemState.ARRIVING, ItemState.FOUND, ItemState.ORDERED})
 
 
 @dataclass(slots=True)
@@ -82,6 +95,8 @@ class _Request:
     items: tuple[tuple[str, int], ...]  # (mm hash, end position of its placeholder), prompt order
     announced: frozenset[str]
     lookup_keys: tuple[str, ...] | None = None  # keys of the lookup in flight for this request
+    allocated: set[str] = field(default_factory=set)  # items vLLM allocated to it: never waited for again
+    preemptions: int = 0  # vLLM's count when last seen: a change means it was preempted meanwhile
 
 
 @dataclass(slots=True)
@@ -122,6 +137,8 @@ class ECScheduler:
         self._unavailable: set[str] = set()
         self._pushing: collections.OrderedDict[str, _Push] = collections.OrderedDict()
         self._last_step_tokens = 0
+        self._empty_step_hooks = False  # a worker reported EC hooks on an empty step (V2 runner)
+        self._released = False  # a stalled engine released one request during this schedule() pass
         self.counts: collections.Counter[str] = collections.Counter()
 
     # -- vLLM: admission ------------------------------------------------------------------------------
@@ -134,68 +151,81 @@ class ECScheduler:
         state = self._requests.get(rid)
         if state is None:
             state = self._track(request)
+        preemptions: int = getattr(request, "num_preemptions", 0)
+        if preemptions != state.preemptions:
+            self._readmit(state, preemptions)
         now = self._clock()
         if state.lookup_keys is not None:
             answer = self.lookup.poll(rid)
             if answer is not None:
                 self._apply(state, answer, now)
-        available = True
+        waiting: list[_Item] = []
         due: list[str] = []
         for mm_hash, end in state.items:
-            if end <= num_computed_tokens:
+            if end <= num_computed_tokens or mm_hash in state.allocated:
                 continue
             item = self._items[mm_hash]
             st = item.state
-            if st in _WAIT:
-                if st is ItemState.FOUND or st is ItemState.ORDERED:
-                    if self._last_step_tokens == 0 or (
-                        st is ItemState.FOUND and len(self._staged) >= self.settings.max_inflight_loads
-                    ):
-                        self._to_sync(item)
-                        continue
-                elif st is ItemState.ARRIVING:
-                    if now >= item.deadline:
-                        item.state = ItemState.MISS
-                        self.counts["arrival_timeouts"] += 1
-                        continue
-                    if now >= item.next_poll:
-                        due.append(mm_hash)
-                elif st is ItemState.NEW:
+            if st not in _WAIT:
+                continue
+            if st is ItemState.FOUND and len(self._staged) >= self.settings.max_inflight_loads:
+                self._to_encoder(item, "encode_budget")
+                continue
+            if st is ItemState.ARRIVING:
+                if now >= item.deadline:
+                    item.state = ItemState.MISS
+                    self.counts["arrival_timeouts"] += 1
+                    continue
+                if now >= item.next_poll:
                     due.append(mm_hash)
-                available = False
+            elif st is ItemState.NEW:
+                due.append(mm_hash)
+            waiting.append(item)
+        if waiting and self._stalled() and all(item.state in _RELEASABLE for item in waiting):
+            # Nothing would move these prefetches: encode them, so that this step runs the workers.
+            self._released = True
+            for item in waiting:
+                self._to_encoder(item, "encode_stalled")
+            return True
         if due and state.lookup_keys is None:
             self._submit(rid, state, due, now)
-        if not available:
+        if waiting:
             self.counts["deferrals"] += 1
-        return available
+            return False
+        return True
 
     def has_cache_item(self, identifier: str) -> bool:
-        """True when the item will be installed by the workers (staged everywhere, or loaded at install)."""
+        """True only when every worker has the item staged: then its install cannot fail."""
         item = self._items.get(identifier)
-        return item is not None and item.state in _LOADABLE
+        return item is not None and item.state is ItemState.READY
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         """vLLM allocated encoder cache for an item, local or external: install it if it is ours to load."""
         mm_hash: str = request.mm_features[index].identifier
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            state.allocated.add(mm_hash)
         item = self._items.get(mm_hash)
-        if item is None or item.state not in _LOADABLE:
+        if item is None or item.state is not ItemState.READY:
             if self.producer:  # encoded here: the worker saves it; confirm it lands before going idle
                 self._expect_push(mm_hash)
             return
-        self.counts["admit_prefetched" if item.state is ItemState.READY else "admit_sync"] += 1
+        self.counts["admit_prefetched"] += 1
         self._install.append(item.ref)
         self._staged.discard(mm_hash)
-        item.state = ItemState.INSTALLED
+        item.state, item.ordered = ItemState.INSTALLED, False  # the install takes the staged copy
 
     # -- vLLM: per step ----------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ECStepMetadata:
-        """This step's orders. Workers only see them on a step that schedules tokens, so prefetch orders and
-        drops wait for such a step (installs only ever come with one)."""
+        """This step's orders. Under vLLM's V1 runner workers only see them on a step that schedules tokens,
+        so prefetch orders and drops wait for such a step unless the workers said they also run on empty
+        ones (installs only ever come with a non-empty step: they follow an admission)."""
         tokens = int(scheduler_output.total_num_scheduled_tokens)
         self._last_step_tokens = tokens
-        meta = ECStepMetadata(install=self._install)
+        self._released = False
+        meta = ECStepMetadata(install=self._install, step_tokens=tokens)
         self._install = []
-        if tokens > 0:
+        if tokens > 0 or self._empty_step_hooks:
             meta.drop, self._drop = self._drop, []
             for item in self._items.values():
                 if item.state is ItemState.FOUND:
@@ -207,11 +237,15 @@ class ECScheduler:
         return meta
 
     def update_connector_output(self, report: ECWorkerReport | None) -> None:
-        """Count worker readiness per item; a failed prefetch becomes a miss, a failed install fails the
-        requests that need the item (``take_unavailable_requests``)."""
+        """Count worker readiness per item; a failed prefetch becomes a miss (the encoder runs). An install
+        cannot fail (only staged items are installed); were one reported, the requests that need the item
+        are failed (``take_unavailable_requests``) rather than left waiting."""
         if report is None:
             return
         self._workers |= report.workers
+        if report.empty_step_hooks and not self._empty_step_hooks:
+            self._empty_step_hooks = True
+            log.debug("EC workers run on empty steps: prefetches progress on an idle engine")
         self.counts.update(report.counts)
         needed = self.expected_workers
         for mm_hash, ids in report.ready.items():
@@ -234,6 +268,7 @@ class ECScheduler:
                 self._drop.append(mm_hash)  # free the copies other workers staged
                 item.ordered = False
             item.state = ItemState.MISS  # recompute: the encoder runs for it
+            item.ready_on = set()
 
     def take_unavailable_requests(self) -> set[str]:
         out, self._unavailable = self._unavailable, set()
@@ -338,13 +373,27 @@ class ECScheduler:
                 item = self._items[mm_hash] = _Item(
                     ItemRef(mm_hash, int(pos.get_num_embeds())), ItemState.NEW
                 )
-            elif item.state in (ItemState.MISS, ItemState.INSTALLED):
-                # Stored since, or evicted since: ask again (a worker still holding it answers at once).
-                item.state, item.ready_on, item.ordered = ItemState.NEW, set(), False
+            else:
+                _ask_again(item)
             item.requests.add(rid)
         state = _Request(tuple(items), _announced(request))
+        state.preemptions = getattr(request, "num_preemptions", 0)
         self._requests[rid] = state
         return state
+
+    def _readmit(self, state: _Request, preemptions: int) -> None:
+        """The request was preempted: vLLM freed its encoder inputs, and what the store answered for it may
+        be stale. Its installed and missed items are looked up again; staged ones (READY) stay valid."""
+        state.preemptions = preemptions
+        state.allocated.clear()
+        for mm_hash, _ in state.items:
+            _ask_again(self._items[mm_hash])
+        self.counts["readmissions"] += 1
+
+    def _stalled(self) -> bool:
+        """No worker will run before a request is admitted (previous step empty, V1 runner or not known
+        otherwise), and no request has been released yet in this ``schedule()`` pass."""
+        return self._last_step_tokens == 0 and not self._empty_step_hooks and not self._released
 
     def _submit(self, rid: str, state: _Request, keys: Sequence[str], now: float) -> None:
         keys = tuple(dict.fromkeys(keys))
@@ -382,9 +431,15 @@ class ECScheduler:
                 self.counts["lookup_misses"] += 1
                 item.state = ItemState.MISS
 
-    def _to_sync(self, item: _Item) -> None:
-        self._staged.discard(item.ref.mm_hash)  # an ORDERED copy, if any, is installed from staging
-        item.state = ItemState.SYNC
+    def _to_encoder(self, item: _Item, reason: str) -> None:
+        """Plan the item for the encoder (a MISS); free any copy the workers were ordered to stage."""
+        mm_hash = item.ref.mm_hash
+        if item.ordered:
+            self._staged.discard(mm_hash)
+            self._drop.append(mm_hash)
+            item.ordered = False
+        item.state, item.owner, item.ready_on = ItemState.MISS, None, set()
+        self.counts[reason] += 1
 
     def _release(self, item: _Item) -> None:
         mm_hash = item.ref.mm_hash
@@ -392,8 +447,8 @@ class ECScheduler:
             self._staged.discard(mm_hash)
             self._drop.append(mm_hash)
             self.counts["prefetch_abandoned"] += 1
-        elif item.ordered and item.state is not ItemState.INSTALLED:
-            self._drop.append(mm_hash)  # ORDERED before it turned SYNC or MISS: free any copy
+        elif item.ordered:
+            self._drop.append(mm_hash)  # ordered, never installed: free any copy
         del self._items[mm_hash]
 
     def _expect_push(self, mm_hash: str) -> None:
@@ -410,6 +465,13 @@ class ECScheduler:
             if push.outstanding:
                 self.lookup.discard(_PUSH_PREFIX + mm_hash)
             self.counts["saves_unconfirmed"] += 1
+
+
+def _ask_again(item: _Item) -> None:
+    """A missed item may be stored since, an installed one evicted since: look it up again (a worker still
+    holding it answers the prefetch at once)."""
+    if item.state in (ItemState.MISS, ItemState.INSTALLED):
+        item.state, item.ready_on, item.ordered = ItemState.NEW, set(), False
 
 
 def _announced(request: Any) -> frozenset[str]:

@@ -4,9 +4,13 @@ A consumer (PD) worker gets three lists per step (:class:`~asyncconn.vllm.ec_met
 ``drop`` frees prefetches nobody needs any more (request aborted, item evicted, load failed elsewhere);
 ``prefetch`` starts loads on the :class:`~asyncconn.transfer.StreamLoader` (store -> staging -> device on a
 side stream); ``install`` moves a staged tensor into vLLM's ``encoder_cache`` -- the same tensor object, so
-the forward path copies nothing. An install whose item was not prefetched here (idle engine, full staging
-budget) is the synchronous fallback: it is loaded now, bounded by ``load_timeout``. A load that fails is
-never installed: the worker reports it and the scheduler recomputes the item or fails the request.
+the forward path copies nothing. The scheduler orders an install only for an item every worker reported
+staged, because vLLM has then planned no encoder run for it and fails the step if it is missing; a staged
+item is therefore held (a reference, if it was already in ``encoder_cache``) until it is installed or
+dropped, so that vLLM evicting it meanwhile cannot lose it. A load that fails is never installed: the
+worker reports it and the scheduler plans the encoder for the item. An install of an item not staged here
+would be a bug upstream of this class; it is loaded synchronously (bounded by ``load_timeout``) as a last
+resort, and reported if that fails too.
 
 A producer (E) worker hands each encoder output to the :class:`~asyncconn.transfer.SaveTracker` from
 ``save_caches`` (snapshot and return) and pushes the step's saves to the loop once, from ``get_finished``.
@@ -87,6 +91,7 @@ class ECWorker:
         self._staged: dict[str, torch.Tensor] = {}  # mm hash -> loaded, checked, not installed yet
         self._ready: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._empty_step_hooks = False  # this worker's EC hooks ran on a step with no scheduled tokens
         self.counts: collections.Counter[str] = collections.Counter()
         self._closed = False
 
@@ -103,13 +108,18 @@ class ECWorker:
         """Apply this step's drop / prefetch / install orders; waits only for a synchronous fallback."""
         if self.loader is None:
             return
+        if meta.step_tokens == 0:
+            self._empty_step_hooks = True
         for mm_hash in meta.drop:
             self._forget(mm_hash)
         submits: list[tuple[str, NewTensor]] = []
         for ref in meta.prefetch:
             key = self.key(ref.mm_hash)
-            if ref.mm_hash in encoder_cache or ref.mm_hash in self._staged:
-                self._ready.add(ref.mm_hash)  # already here: nothing to move
+            if ref.mm_hash in self._staged:
+                self._ready.add(ref.mm_hash)
+            elif ref.mm_hash in encoder_cache:  # already here: hold it, vLLM may evict it before the install
+                self._staged[ref.mm_hash] = encoder_cache[ref.mm_hash]
+                self._ready.add(ref.mm_hash)
             elif key not in self._loading:
                 submits.append((key, self._dest(ref)))
                 self._loading[key] = ref.num_embeds
@@ -125,6 +135,7 @@ class ECWorker:
             if tensor is not None:
                 self.counts["installs_staged"] += 1
             else:
+                log.warning("EC item %s: install ordered but not staged here; loading it now", ref.mm_hash)
                 tensor = self._load_now(ref)
                 if tensor is None:
                     continue
@@ -239,6 +250,7 @@ class ECWorker:
             ready={mm_hash: me for mm_hash in self._ready},
             failed=self._failed,
             counts={k: v for k, v in self.counts.items() if v},
+            empty_step_hooks=self._empty_step_hooks,
         )
         self._ready, self._failed = set(), {}
         self.counts = collections.Counter()

@@ -115,6 +115,79 @@ def check_embeddings(sim: EngineSim, request_id: str, items: list[MMItem]) -> No
         assert torch.equal(used[item.identifier], embedding_for(item.identifier, item.length, HIDDEN))
 
 
+def run_hooks_on_empty_steps(sim: EngineSim) -> EngineSim:
+    """Make the simulated workers do what vLLM's V2 model runner does on a step that schedules no tokens:
+    run the EC hooks anyway (``ActiveECConnector.no_forward``). The simulator follows the V1 runner, which
+    returns before them, so by default an idle engine never moves a prefetch."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from asyncconn.vllm._sim_runner import StepPlan, WorkerStepResult
+
+    for worker in sim.workers:
+        original = worker.execute
+
+        def execute(plan: StepPlan, _worker: Any = worker, _original: Any = original) -> WorkerStepResult:
+            so = plan.scheduler_output
+            if so.total_num_scheduled_tokens or _worker.kv_connector is not None:
+                return _original(plan)
+            for mm_hash in so.free_encoder_mm_hashes:
+                _worker.encoder_cache.pop(mm_hash, None)
+            with _worker._ec_lifecycle(so) as ec_out:
+                pass
+            return WorkerStepResult(output=ModelRunnerOutput.with_ec_conn_output_only(ec_out))
+
+        worker.execute = execute  # type: ignore[method-assign]
+    return sim
+
+
+def check_installs_are_staged(sim: EngineSim) -> list[str]:
+    """Spy on ``has_cache_item``: every True answer must name an item every worker holds staged right then
+    (vLLM plans no encoder run for it; an install that could fail would crash vLLM's gather)."""
+    connector = sim.scheduler.ec_connector
+    original = connector.has_cache_item
+    answered: list[str] = []
+
+    def spy(identifier: str) -> bool:
+        result: bool = original(identifier)
+        if result:
+            answered.append(identifier)
+            for worker in workers(sim):
+                assert identifier in worker._staged, f"{identifier} is not staged on every worker"
+        return result
+
+    connector.has_cache_item = spy
+    return answered
+
+
+MODES = ["busy", "stalled", "empty-step-hooks"]
+
+
+def start_pd(make_sim: Callable[..., EngineSim], url: str, mode: str, **kwargs: Any) -> EngineSim:
+    """A PD engine: ``busy`` (a text request keeps the workers stepping), ``stalled`` (alone, V1 runner:
+    nothing runs the workers until a request is admitted) or ``empty-step-hooks`` (alone, V2 runner)."""
+    extra = kwargs.pop("extra", {})
+    pd = make_sim(ec=spec("ec_consumer", url, **extra), **kwargs)
+    if mode == "busy":
+        keep_busy(pd)
+    elif mode == "empty-step-hooks":
+        run_hooks_on_empty_steps(pd)
+    return pd
+
+
+def after_lookup(sim: EngineSim, action: Callable[[], object]) -> None:
+    """Run ``action`` once, right after the scheduler takes its first lookup answer (before it can order a
+    prefetch): the store changes between the lookup and any load."""
+    scheduler = sched(sim)
+    original = scheduler._apply
+
+    def spy(*args: Any) -> None:
+        original(*args)
+        scheduler._apply = original
+        action()
+
+    scheduler._apply = spy
+
+
 def keep_busy(sim: EngineSim, tokens: int = 200) -> str:
     """A text request that keeps the engine stepping (so the workers run and prefetches progress)."""
     rid = f"busy-{next(_ids)}"
@@ -132,6 +205,7 @@ def test_deferral_then_admission_with_prefetch_on_two_workers(make_sim: Any) -> 
     assert params == {"e-img-defer": {SAVING_PARAM: ["img-defer"]}}
 
     pd = make_sim(ec=spec("ec_consumer", url), num_workers=2)
+    installs = check_installs_are_staged(pd)
     keep_busy(pd)
     pd.add_request("r1", prompt(48), max_tokens=3, mm_items=[img])
     pd.step()
@@ -143,23 +217,61 @@ def test_deferral_then_admission_with_prefetch_on_two_workers(make_sim: Any) -> 
     check_embeddings(pd, "r1", [img])
     c = counts(pd)
     assert c["deferrals"] >= 1
-    assert c["admit_prefetched"] == 1 and c.get("admit_sync", 0) == 0
+    assert c["admit_prefetched"] == 1 and c.get("encode_stalled", 0) == 0
     assert c["prefetches"] == 2 and c["installs_staged"] == 2  # one per worker, summed by aggregate
+    assert installs == ["img-defer"]
     assert sched(pd).expected_workers == 2
     assert_no_leaks(pd)
 
 
-def test_idle_engine_loads_at_install(make_sim: Any) -> None:
-    """Alone on the engine the workers never run a step, so the item is loaded when installed."""
+def test_stalled_engine_encodes_rather_than_loading_at_install(make_sim: Any) -> None:
+    """V1 runner, alone on the engine: the workers never run, so no prefetch can confirm the item. The
+    request is released to the encoder -- never admitted on a load at install that could fail and crash."""
     url = store_url()
     img = MMItem("img-idle", offset=4, length=16)
     produce(make_sim, url, [img])
     pd = make_sim(ec=spec("ec_consumer", url))
+    installs = check_installs_are_staged(pd)
+    pd.add_request("r1", prompt(32), max_tokens=2, mm_items=[img])
+    run(pd, pause=0.001)
+    assert pd.encoder_runs() == [("r1", "img-idle")]
+    check_embeddings(pd, "r1", [img])
+    c = counts(pd)
+    assert c["lookup_hits"] == 1 and c["encode_stalled"] == 1
+    assert installs == [] and "installs_sync" not in c
+    assert_no_leaks(pd)
+
+
+def test_stalled_engine_releases_one_request_and_prefetches_for_the_others(make_sim: Any) -> None:
+    url = store_url()
+    imgs = [MMItem(f"img-queue-{i}", offset=4, length=16) for i in range(3)]
+    produce(make_sim, url, imgs)
+    pd = make_sim(ec=spec("ec_consumer", url))
+    installs = check_installs_are_staged(pd)
+    for i, img in enumerate(imgs):
+        pd.add_request(f"r{i}", prompt(32), max_tokens=8, mm_items=[img])
+    run(pd, pause=0.001)
+    assert pd.encoder_runs() == [("r0", "img-queue-0")]  # released: its step runs the workers
+    for i, img in enumerate(imgs):
+        check_embeddings(pd, f"r{i}", [img])
+    assert counts(pd)["admit_prefetched"] == 2 and sorted(installs) == ["img-queue-1", "img-queue-2"]
+    assert_no_leaks(pd)
+
+
+def test_idle_engine_prefetches_when_workers_run_on_empty_steps(make_sim: Any) -> None:
+    """V2 runner: the EC hooks run on empty steps, so the prefetch completes on an idle engine."""
+    url = store_url()
+    img = MMItem("img-v2", offset=4, length=16)
+    produce(make_sim, url, [img])
+    pd = run_hooks_on_empty_steps(make_sim(ec=spec("ec_consumer", url), num_workers=2))
+    installs = check_installs_are_staged(pd)
     pd.add_request("r1", prompt(32), max_tokens=2, mm_items=[img])
     run(pd, pause=0.001)
     assert pd.encoder_runs() == []
     check_embeddings(pd, "r1", [img])
-    assert counts(pd)["admit_sync"] == 1 and counts(pd)["installs_sync"] == 1
+    c = counts(pd)
+    assert c["admit_prefetched"] == 1 and c["installs_staged"] == 2 and c.get("encode_stalled", 0) == 0
+    assert installs == ["img-v2"]
     assert_no_leaks(pd)
 
 
@@ -243,15 +355,61 @@ def test_abort_while_the_prefetch_is_in_flight(make_sim: Any) -> None:
     assert_no_leaks(pd)
 
 
+# -- preemption -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["stalled", "empty-step-hooks"])
+def test_preempted_request_looks_its_items_up_again(make_sim: Any, mode: str) -> None:
+    """KV pressure preempts requests whose images were loaded; the store then loses every image. Re-admitted,
+    they do not trust the old answer: looked up again (a miss now), the encoder runs; right embeddings."""
+    url = store_url()
+    imgs = [MMItem(f"img-pre-{i}", offset=8, length=16) for i in range(3)]
+    produce(make_sim, url, imgs)
+    pd = start_pd(
+        make_sim,
+        url,
+        mode,
+        shape=SimShape(num_blocks=9),  # 8 usable blocks of 16 tokens; each request wants 5 by the end
+        max_num_seqs=3,
+        encoder_cache_size=32,  # room for two images: re-admitted requests miss vLLM's encoder cache
+    )
+    installs = check_installs_are_staged(pd)
+    for i, img in enumerate(imgs):
+        pd.add_request(f"p{i}", prompt(40), max_tokens=40, mm_items=[img])
+    preempted: set[str] = set()
+    for _ in range(2000):
+        preempted |= pd.step().preempted
+        if preempted:
+            break
+        time.sleep(0.001)
+    assert preempted, "the workload must preempt"
+    _delete(url, [img.identifier for img in imgs])
+    run(pd, pause=0.001)
+    for i, img in enumerate(imgs):
+        assert pd.finish_reasons[f"p{i}"] == "length"
+        check_embeddings(pd, f"p{i}", [img])
+    c = counts(pd)
+    assert c["readmissions"] >= 1
+    assert set(installs) <= {img.identifier for img in imgs}
+    assert_no_leaks(pd)
+
+
 # -- the E -> PD race ------------------------------------------------------------------------------------
 
 
-def test_announced_item_is_awaited_not_recomputed(make_sim: Any) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_announced_item_is_awaited_not_recomputed(make_sim: Any, mode: str) -> None:
     url = store_url()
     img = MMItem("img-race", offset=8, length=16)
-    pd = make_sim(ec=spec("ec_consumer", url, arrival_timeout="20s"))
+    pd = start_pd(make_sim, url, mode, extra={"arrival_timeout": "20s"})
     pd.add_request("r1", prompt(40), max_tokens=2, mm_items=[img])
     pd.scheduler.requests["r1"].ec_transfer_params = {SAVING_PARAM: ["img-race"]}  # as the proxy passes it
+    if mode == "stalled":  # waiting could only end in an encoder run: encode now
+        run(pd, pause=0.001)
+        assert pd.encoder_runs() == [("r1", "img-race")] and counts(pd)["encode_stalled"] == 1
+        check_embeddings(pd, "r1", [img])
+        assert_no_leaks(pd)
+        return
     for _ in range(5):
         pd.step()
         time.sleep(0.002)
@@ -266,7 +424,7 @@ def test_announced_item_is_awaited_not_recomputed(make_sim: Any) -> None:
 
 
 def test_announced_item_that_never_arrives_is_encoded_after_the_timeout(make_sim: Any) -> None:
-    pd = make_sim(ec=spec("ec_consumer", store_url(), arrival_timeout="100ms"))
+    pd = start_pd(make_sim, store_url(), "empty-step-hooks", extra={"arrival_timeout": "100ms"})
     img = MMItem("img-lost", offset=8, length=16)
     pd.add_request("r1", prompt(40), max_tokens=2, mm_items=[img])
     pd.scheduler.requests["r1"].ec_transfer_params = {SAVING_PARAM: ["img-lost"]}
@@ -298,6 +456,15 @@ def _put_raw(url: str, key: str, payload: bytes) -> None:
     get_runtime().run(go(), 5)
 
 
+def _delete(url: str, keys: list[str]) -> None:
+    async def go() -> None:
+        backend = await open_backend(parse_url(url))
+        await backend.delete(keys)
+        await backend.close()
+
+    get_runtime().run(go(), 5)
+
+
 def _put_tensor(url: str, key: str, tensor: torch.Tensor) -> None:
     async def go() -> None:
         store = await TensorStore.open(url)
@@ -307,29 +474,54 @@ def _put_tensor(url: str, key: str, tensor: torch.Tensor) -> None:
     get_runtime().run(go(), 5)
 
 
-@pytest.mark.parametrize("busy", [True, False], ids=["prefetch", "install"])
-def test_corrupt_value_is_recomputed_or_fails_cleanly(make_sim: Any, busy: bool) -> None:
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("when", ["before-lookup", "after-lookup"])
+def test_corrupt_value_is_recomputed_never_crashes(make_sim: Any, mode: str, when: str) -> None:
+    """A bad value (garbage, or a frame with the wrong row count) stored before the lookup or swapped in
+    between the lookup and the admission: no exception, the encoder runs, the embeddings are right."""
     url = store_url()
     img = MMItem("img-corrupt", offset=8, length=16)
-    _put_raw(url, "img-corrupt", b"\x00garbage, not a frame" * 10)
-    pd = make_sim(ec=spec("ec_consumer", url))
-    if busy:
-        keep_busy(pd)
+    garbage = b"\x00garbage, not a frame" * 10
+    if when == "before-lookup":
+        _put_raw(url, "img-corrupt", garbage)
+    else:
+        _put_tensor(url, "img-corrupt", embedding_for("img-corrupt", 16, HIDDEN))
+    pd = start_pd(make_sim, url, mode)
+    installs = check_installs_are_staged(pd)
+    if when == "after-lookup":  # swapped the moment the lookup's answer is taken, before any load
+        after_lookup(pd, lambda: _put_tensor(url, "img-corrupt", torch.zeros(15, HIDDEN)))  # a row short
     pd.add_request("r1", prompt(40), max_tokens=2, mm_items=[img])
-    if busy:  # found, prefetched, the load fails before admission: the encoder runs, nothing garbage
-        run(pd, pause=0.001)
-        assert pd.encoder_runs() == [("r1", "img-corrupt")]
-        check_embeddings(pd, "r1", [img])
-        assert counts(pd)["load_failed_corrupt"] >= 1
-        assert_no_leaks(pd)
-        return
-    # Idle: admitted for a load at install, which fails: nothing is installed, never garbage. vLLM's gather
-    # then fails the step (the simulator raises the same way); test_ec_units checks the failure report
-    # that makes the scheduler fail the request through take_unavailable_requests.
-    with pytest.raises(Exception, match="neither encoded nor loaded"):
-        run(pd, pause=0.001)
-    assert "img-corrupt" not in pd.workers[0].encoder_cache
-    assert sched(pd).item_state("img-corrupt") is ItemState.INSTALLED
+    run(pd, pause=0.001)
+    assert pd.encoder_runs() == [("r1", "img-corrupt")]
+    check_embeddings(pd, "r1", [img])
+    assert installs == []
+    c = counts(pd)
+    if mode == "stalled":
+        assert c["encode_stalled"] == 1  # never even loaded
+    else:
+        assert c["load_failed_corrupt"] >= 1
+    assert_no_leaks(pd)
+
+
+@pytest.mark.parametrize("mode", ["stalled", "empty-step-hooks"])
+def test_store_killed_between_lookup_and_admission(make_sim: Any, fresh_redis: Any, mode: str) -> None:
+    """The store dies after the lookup found the item, on an idle engine (where the last design loaded at
+    install and crashed vLLM's gather on failure): no exception, the encoder runs, nothing leaks."""
+    url = fresh_redis.url
+    img = MMItem("img-killed", offset=8, length=16)
+    cfg = {"lookup_timeout": "300ms", "store_timeout": "300ms", "load_timeout": "1s"}
+    _put_tensor(url, "img-killed", embedding_for("img-killed", 16, HIDDEN))
+    pd = start_pd(make_sim, url, mode, extra=cfg, num_workers=2)
+    installs = check_installs_are_staged(pd)
+    after_lookup(pd, fresh_redis.kill)
+    pd.add_request("r1", prompt(40), max_tokens=2, mm_items=[img])
+    run(pd, max_steps=100_000, pause=0.001)
+    assert counts(pd)["lookup_hits"] == 1
+    assert pd.finish_reasons["r1"] == "length"
+    assert pd.encoder_runs() == [("r1", "img-killed")]
+    check_embeddings(pd, "r1", [img])
+    assert installs == []
+    assert_no_leaks(pd)
 
 
 def test_wrong_shape_in_store_is_treated_as_corrupt(make_sim: Any) -> None:
@@ -413,6 +605,7 @@ def test_ec_both_loads_and_saves(make_sim: Any) -> None:
     run(both, pause=0.001)
     assert both.encoder_runs() == [("r1", "img-both")]
     other = make_sim(ec=spec("ec_both", url))
+    keep_busy(other)
     other.add_request("r2", prompt(32), max_tokens=2, mm_items=[img])
     run(other, pause=0.001)
     assert other.encoder_runs() == []

@@ -92,6 +92,7 @@ def test_second_load_uses_the_learned_row_shape(runtime: Runtime, store: TensorS
 
 
 def test_install_without_prefetch_loads_synchronously(runtime: Runtime, store: TensorStore, url: str) -> None:
+    """The last resort only: the scheduler orders installs of staged items (this is a bug upstream)."""
     emb = torch.randn(6, 16)
     put(runtime, store, "img-s", emb)
     worker = make_worker(runtime, url)
@@ -163,12 +164,28 @@ def test_drop_frees_staged_and_in_flight_prefetches(runtime: Runtime, store: Ten
     assert cache == {}
 
 
-def test_prefetch_of_an_item_already_cached_is_ready_at_once(runtime: Runtime, url: str) -> None:
+def test_prefetch_of_an_item_already_cached_is_ready_at_once_and_held(runtime: Runtime, url: str) -> None:
+    """Ready without a load; held, so that vLLM evicting it before the install cannot lose it."""
     worker = make_worker(runtime, url)
-    cache = {"img-here": torch.ones(2, 2)}
+    here = torch.ones(2, 2)
+    cache = {"img-here": here}
     worker.start_load_caches(cache, ECStepMetadata(prefetch=[ItemRef("img-here", 2)]))
     assert set(worker.report().ready) == {"img-here"}
-    assert worker.counters()["loading"] == 0
+    assert worker.counters()["loading"] == 0 and worker.counters()["staged"] == 1
+    cache.clear()  # vLLM evicted it (free_encoder_mm_hashes) before the request was admitted
+    worker.start_load_caches(cache, ECStepMetadata(install=[ItemRef("img-here", 2)]))
+    assert cache["img-here"] is here
+    assert all(v == 0 for v in worker.counters().values())
+    worker.close()
+
+
+def test_worker_says_when_its_hooks_run_on_an_empty_step(runtime: Runtime, url: str) -> None:
+    worker = make_worker(runtime, url)
+    worker.start_load_caches({}, ECStepMetadata(step_tokens=8))
+    assert worker.report().empty_step_hooks is False
+    worker.start_load_caches({}, ECStepMetadata(step_tokens=0))  # vLLM's V2 runner: no_forward
+    assert worker.report().empty_step_hooks is True
+    assert worker.report().empty_step_hooks is True  # sticky: later reports say it too
     worker.close()
 
 
@@ -217,7 +234,9 @@ def test_worker_on_cuda_prefetches_into_device_memory(runtime: Runtime, store: T
 # -- scheduler -------------------------------------------------------------------------------------------
 
 
-def request(rid: str, *items: tuple[str, int, int], params: Any = None, status: str = "WAITING") -> Any:
+def request(
+    rid: str, *items: tuple[str, int, int], params: Any = None, status: str = "WAITING", preemptions: int = 0
+) -> Any:
     features = [
         SimpleNamespace(
             identifier=h,
@@ -226,7 +245,11 @@ def request(rid: str, *items: tuple[str, int, int], params: Any = None, status: 
         for h, off, n in items
     ]
     return SimpleNamespace(
-        request_id=rid, mm_features=features, ec_transfer_params=params, status=SimpleNamespace(name=status)
+        request_id=rid,
+        mm_features=features,
+        ec_transfer_params=params,
+        status=SimpleNamespace(name=status),
+        num_preemptions=preemptions,
     )
 
 
@@ -291,19 +314,121 @@ def test_items_before_num_computed_tokens_are_ignored(make_scheduler: Any) -> No
     assert all(v == 0 for v in s.counters().values())
 
 
+def make_ready(s: ECScheduler, req: Any, *workers: str) -> None:
+    """Drive the request's single item from its lookup to READY on a busy engine."""
+    s.build_connector_meta(step(8))
+    assert wait_answer(s, req) is False
+    assert s.build_connector_meta(step(8)).prefetch
+    mm_hash = req.mm_features[0].identifier
+    s.update_connector_output(ECWorkerReport(workers=frozenset(workers), ready={mm_hash: frozenset(workers)}))
+    assert s.item_state(mm_hash) is ItemState.READY
+
+
 def test_install_failure_fails_the_requests_that_need_the_item(
     runtime: Runtime, store: TensorStore, make_scheduler: Any
 ) -> None:
+    """Defensive: an install cannot fail (only staged items are installed); were one reported, the request
+    is failed through take_unavailable_requests rather than left waiting."""
     put(runtime, store, "img-y", torch.randn(4, 4))
     s = make_scheduler()
     req = request("r1", ("img-y", 0, 4))
-    s.ensure_cache_available(req, 0)
-    assert wait_answer(s, req) is True  # idle engine: admitted, loaded at install
+    make_ready(s, req, "w0")
+    assert s.ensure_cache_available(req, 0) is True and s.has_cache_item("img-y")
     s.update_state_after_alloc(req, 0)
     assert s.build_connector_meta(step(4)).install == [ItemRef("img-y", 4)]
     s.update_connector_output(ECWorkerReport(workers=frozenset({"w0"}), failed={"img-y": "corrupt"}))
     assert s.take_unavailable_requests() == {"r1"}
     assert s.take_unavailable_requests() == set()
+    s.request_finished(req)
+    assert all(v == 0 for v in s.counters().values())
+
+
+def test_has_cache_item_only_for_items_every_worker_staged(
+    runtime: Runtime, store: TensorStore, make_scheduler: Any
+) -> None:
+    put(runtime, store, "img-h", torch.randn(4, 4))
+    s = make_scheduler()
+    req = request("r1", ("img-h", 0, 4))
+    s.build_connector_meta(step(8))
+    deadline = time.monotonic() + 5
+    while s.item_state("img-h") is not ItemState.FOUND:
+        assert time.monotonic() < deadline, "lookup never answered"
+        assert not s.has_cache_item("img-h")  # unknown, or being looked up
+        s.ensure_cache_available(req, 0)
+        time.sleep(0.001)
+    assert not s.has_cache_item("img-h")  # found by the lookup: not confirmed by anyone
+    s.build_connector_meta(step(8))
+    assert s.item_state("img-h") is ItemState.ORDERED and not s.has_cache_item("img-h")
+    s.update_connector_output(
+        ECWorkerReport(workers=frozenset({"w0", "w1"}), ready={"img-h": frozenset({"w0"})})
+    )
+    assert not s.has_cache_item("img-h")  # one worker of two
+    s.update_connector_output(ECWorkerReport(workers=frozenset({"w1"}), ready={"img-h": frozenset({"w1"})}))
+    assert s.has_cache_item("img-h")
+    s.request_finished(req)
+    assert s.build_connector_meta(step(8)).drop == ["img-h"]
+    assert all(v == 0 for v in s.counters().values())
+
+
+def test_stalled_engine_releases_one_request_per_step_to_the_encoder(
+    runtime: Runtime, store: TensorStore, make_scheduler: Any
+) -> None:
+    """Previous step empty and no worker known to run on empty steps (vLLM's V1 runner): the first request
+    whose items are found goes to the encoder (no load at install that could fail); the others wait, and
+    the released one's step carries their prefetch orders."""
+    for h in ("img-s1", "img-s2"):
+        put(runtime, store, h, torch.randn(2, 2))
+    s = make_scheduler(sync_lookup=True)  # answers at once: the test controls every step
+    r1, r2 = request("r1", ("img-s1", 0, 2)), request("r2", ("img-s2", 0, 2))
+    assert s.ensure_cache_available(r1, 0) is False  # looked up (a lookup is always waited for)
+    assert s.item_state("img-s1") is ItemState.FOUND
+    assert s.ensure_cache_available(r1, 0) is True  # found, nothing runs the workers: released
+    assert s.item_state("img-s1") is ItemState.MISS and not s.has_cache_item("img-s1")
+    assert s.ensure_cache_available(r2, 0) is False  # looked up
+    assert s.ensure_cache_available(r2, 0) is False  # found, but one release per schedule() pass
+    assert s.counts["encode_stalled"] == 1
+    s.update_state_after_alloc(r1, 0)  # vLLM planned the encoder for it
+    assert s.build_connector_meta(step(2)).prefetch == [ItemRef("img-s2", 2)]  # the released step
+    for r in (r1, r2):
+        s.request_finished(r)
+    assert s.build_connector_meta(step(8)).drop == ["img-s2"]
+    assert all(v == 0 for v in s.counters().values())
+
+
+def test_workers_on_empty_steps_get_orders_and_nothing_is_released(
+    runtime: Runtime, store: TensorStore, make_scheduler: Any
+) -> None:
+    put(runtime, store, "img-v2", torch.randn(2, 2))
+    s = make_scheduler()
+    s.update_connector_output(ECWorkerReport(workers=frozenset({"w0"}), empty_step_hooks=True))
+    req = request("r1", ("img-v2", 0, 2))
+    assert wait_answer(s, req) is False  # stalled-looking engine, but the workers run: wait
+    meta = s.build_connector_meta(step(0))
+    assert meta.prefetch == [ItemRef("img-v2", 2)] and meta.step_tokens == 0
+    assert s.ensure_cache_available(req, 0) is False and s.counts["encode_stalled"] == 0
+    s.request_finished(req)
+    s.build_connector_meta(step(0))
+    assert all(v == 0 for v in s.counters().values())
+
+
+def test_preempted_request_looks_its_items_up_again(
+    runtime: Runtime, store: TensorStore, make_scheduler: Any
+) -> None:
+    put(runtime, store, "img-p1", torch.randn(4, 4))
+    s = make_scheduler()
+    req = request("r1", ("img-p1", 0, 4))
+    make_ready(s, req, "w0")
+    assert s.ensure_cache_available(req, 0) is True
+    s.update_state_after_alloc(req, 0)
+    s.build_connector_meta(step(8))
+    assert s.item_state("img-p1") is ItemState.INSTALLED
+    assert s.ensure_cache_available(req, 2) is True  # running, mid-placeholder: never waits for it
+    runtime.run(store.delete(["img-p1"]), 5)  # the store loses it while the request runs
+    req.num_preemptions = 1  # vLLM preempted it: its encoder input was freed
+    assert s.ensure_cache_available(req, 0) is False  # asked again, not trusted
+    assert s.counts["readmissions"] == 1
+    assert wait_answer(s, req) is True and s.item_state("img-p1") is ItemState.MISS  # now a miss: encode
+    assert not s.has_cache_item("img-p1")
     s.request_finished(req)
     assert all(v == 0 for v in s.counters().values())
 
@@ -324,7 +449,7 @@ def test_failed_prefetch_becomes_a_miss_and_other_copies_are_dropped(
     assert all(v == 0 for v in s.counters().values())
 
 
-def test_staging_budget_full_loads_at_install_instead_of_waiting(
+def test_staging_budget_full_sends_the_item_to_the_encoder_instead_of_waiting(
     runtime: Runtime, store: TensorStore, make_scheduler: Any
 ) -> None:
     for h in ("img-b1", "img-b2"):
@@ -334,7 +459,8 @@ def test_staging_budget_full_loads_at_install_instead_of_waiting(
     r1, r2 = request("r1", ("img-b1", 0, 2)), request("r2", ("img-b2", 0, 2))
     wait_answer(s, r1)
     s.build_connector_meta(step(8))  # img-b1 ordered: the budget is full
-    assert wait_answer(s, r2) is True and s.item_state("img-b2") is ItemState.SYNC
+    assert wait_answer(s, r2) is True and s.item_state("img-b2") is ItemState.MISS
+    assert not s.has_cache_item("img-b2") and s.counts["encode_budget"] == 1
     for r in (r1, r2):
         s.request_finished(r)
     assert s.build_connector_meta(step(8)).drop == ["img-b1"]
