@@ -8,9 +8,12 @@ reads into caller memory that must be finished before a cancelled call returns.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -253,3 +256,135 @@ async def test_calls_run_on_a_bounded_pool(mooncake_master: MooncakeMaster) -> N
     assert b.thread_count() == 0 and b.jobs_in_flight() == 0
     with pytest.raises(BackendUnavailable, match="closed"):
         await b.exists(["p1"])
+
+
+async def test_large_puts_replace_from_caller_memory_and_small_ones_upsert(backend: MooncakeBackend) -> None:
+    """Values >= 1 MiB go by remove + gathered insert (no staging copy); they still replace, at any size."""
+    assert backend.gather_puts  # TCP
+    big = torch.randint(0, 255, (2 << 20,), dtype=torch.uint8)
+    for value in (big, big.flip(0), big[: 1 << 20].clone(), torch.zeros(3 << 20, dtype=torch.uint8)):
+        await backend.put([("g", [memoryview(value.numpy())])])
+        (got,) = await backend.get(["g"])
+        assert got is not None and b"".join(bytes(c) for c in got) == value.numpy().tobytes()
+        dest = torch.empty_like(value)
+        assert await backend.get_into("g", [memoryview(dest.numpy())]) == value.numel()
+        assert torch.equal(dest, value)
+    # A large read-only value (no address for a gathered insert) and a small one are upserted instead.
+    for value_bytes in (bytes(big.numpy()), b"small"):
+        await backend.put([("g", value_bytes)])
+        (got,) = await backend.get(["g"])
+        assert got is not None and b"".join(bytes(c) for c in got) == value_bytes
+    # Through the tensor store (frame header read-only bytes + tensor payload), overwritten in place.
+    store = TensorStore(backend, timeout=10)
+    for fill in (1.0, 2.0):
+        t = torch.full((1 << 19,), fill)  # 2 MiB
+        await store.put([("frame", t)])
+        out = torch.empty_like(t)
+        assert await store.get_into("frame", out) and torch.equal(out, t)
+
+
+async def test_a_read_torn_by_a_racing_write_is_never_handed_on(
+    backend: MooncakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read whose bytes do not match the header's checksum is re-read once, or, once a sink has seen
+    it, reported as a miss: the sink is never fed a torn value as if it were whole."""
+    value = bytes(range(256)) * 4096  # 1 MiB
+    await backend.put([("v", value)])
+    tears = {"left": 0}
+
+    class Tearing:
+        """The real client, except that a read's landed bytes are overwritten mid-value while tears last."""
+
+        def __init__(self, store: Any) -> None:
+            self._real = store
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._real, name)
+
+        def batch_get_into_multi_buffers(
+            self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+        ) -> list[int]:
+            codes: list[int] = self._real.batch_get_into_multi_buffers(keys, ptrs, sizes)
+            if tears["left"]:
+                tears["left"] -= 1
+                ctypes.memset(ptrs[0][1] + 1000, 0xAB, 4096)  # a racing writer's bytes, mid-value
+            return codes
+
+    monkeypatch.setattr(backend, "_store", Tearing(backend._store))
+    dest = bytearray(len(value))
+    tears["left"] = 1  # torn once: the re-read is whole
+    assert await backend.get_into("v", [memoryview(dest)]) == len(value) and dest == value
+    tears["left"] = 2  # torn twice in a row: a miss
+    assert await backend.get_into("v", [memoryview(dest)]) is None
+    fed: list[bytes] = []
+    tears["left"] = 1  # with a sink: the first read was fed to it, so a miss, with nothing more fed after
+    assert await backend.get_into("v", [memoryview(dest)], lambda piece: fed.append(bytes(piece))) is None
+    assert b"".join(fed) != value and tears["left"] == 0
+    fed.clear()
+    assert await backend.get_into("v", [memoryview(dest)], lambda piece: fed.append(bytes(piece))) == len(
+        value
+    )
+    assert b"".join(fed) == value and len(fed) > 1  # handed on in pieces, in order
+
+
+async def test_workers_start_lazily_and_a_withdrawn_call_never_runs() -> None:
+    """The backend's own worker threads: one thread serves sequential calls; a queued call whose caller
+    gave up is withdrawn (never run); a running one is outlasted; shutdown stops every thread."""
+    from backends.mooncake import _Job, _Workers
+
+    workers = _Workers(1, "test-workers")
+    loop = asyncio.get_running_loop()
+    for i in range(5):
+        job = _Job(lambda x: x * 2, (i,), loop)
+        assert workers.submit(job)
+        assert await job.future == i * 2
+    assert workers.thread_count() == 1
+    gate, started = threading.Event(), threading.Event()
+    ran: list[str] = []
+    blocker = _Job(lambda: (started.set(), gate.wait(10), ran.append("blocker")), (), loop)
+    queued = _Job(lambda: ran.append("queued"), (), loop)
+    assert workers.submit(blocker) and workers.submit(queued)
+    assert workers.jobs_in_flight() == 2
+    assert await asyncio.to_thread(started.wait, 10)  # the blocker runs; "queued" waits behind it
+    await workers.outlast(queued)  # still queued behind the blocker: withdrawn at once
+    outlasting = asyncio.ensure_future(workers.outlast(blocker))
+    await asyncio.sleep(0.05)
+    assert not outlasting.done()  # the blocker is running: it is waited for
+    gate.set()
+    await asyncio.wait_for(outlasting, 10)  # a hang guard, not a timing assertion
+    assert ran == ["blocker"] and workers.jobs_in_flight() == 0
+    failing = _Job(lambda: 1 // 0, (), loop)
+    assert workers.submit(failing)
+    with pytest.raises(ZeroDivisionError):
+        await failing.future
+    await asyncio.to_thread(workers.shutdown)
+    assert workers.thread_count() == 0 and not workers.submit(_Job(int, (), loop))
+    assert ran == ["blocker"]
+
+
+async def test_racing_gathered_writers_never_leave_a_torn_value(backend: MooncakeBackend) -> None:
+    """The contract suite's racing test, with writable 2 MiB values: the remove + gathered insert path."""
+    values = [torch.randint(0, 256, (2 << 20,), dtype=torch.uint8) for _ in range(4)]
+    wanted = {v.numpy().tobytes() for v in values}
+    seen: list[bytes] = []
+
+    async def writer(v: torch.Tensor) -> None:
+        for _ in range(5):
+            await backend.put([("contested", [memoryview(v.numpy())])])
+
+    async def reader(direct: bool) -> None:
+        dest = bytearray(2 << 20)
+        for _ in range(15):
+            if direct:
+                if await backend.get_into("contested", [memoryview(dest)]) == len(dest):
+                    seen.append(bytes(dest))
+            else:
+                (got,) = await backend.get(["contested"])
+                if got is not None:
+                    seen.append(b"".join(bytes(c) for c in got))
+            await asyncio.sleep(0)
+
+    await asyncio.gather(*(writer(v) for v in values), reader(True), reader(False))
+    (final,) = await backend.get(["contested"])
+    assert final is not None and b"".join(bytes(c) for c in final) in wanted
+    assert all(s in wanted for s in seen)
