@@ -168,7 +168,7 @@ def test_corrupt_value_is_a_failure_and_never_reaches_the_destination(
     runtime: Runtime, store: TensorStore
 ) -> None:
     good = torch.randn(8, 4)
-    frame = bytearray(codec.encode(good))
+    frame = bytearray(codec.encode(good, key="flipped"))
     frame[-1] ^= 0xFF  # flip a payload bit: checksum mismatch
     runtime.run(store.backend.put([("flipped", bytes(frame)), ("garbage", b"not a frame at all")]))
     runtime.run(store.put([("wrong-dtype", good.to(torch.float16))]))
@@ -272,8 +272,8 @@ def test_cancel_mid_fetch_keeps_the_buffer_until_the_fetch_really_stopped(
     runtime: Runtime, gated: GatedBackend, gated_store: TensorStore
 ) -> None:
     gated.write_after_cancel = True  # the client keeps writing into the staging buffer after the cancel
-    gated.data["k"] = codec.encode(torch.ones(1024))
-    gated.data["other"] = codec.encode(torch.full((1024,), 7.0))
+    gated.data["k"] = codec.encode(torch.ones(1024), key="k")
+    gated.data["other"] = codec.encode(torch.full((1024,), 7.0), key="other")
     loader = make_loader(gated_store, runtime, capacity=4096)  # exactly one staging buffer
     loader.submit("k", NewTensor((1024,), torch.float32))
     assert gated.entered.wait(5)
@@ -325,7 +325,7 @@ def test_pool_exhaustion_queues_loads_in_order_then_all_complete(
 ) -> None:
     store = TensorStore(gated)
     values = {f"k{i}": torch.full((1024,), float(i)) for i in range(6)}
-    gated.data.update({k: codec.encode(v) for k, v in values.items()})
+    gated.data.update({k: codec.encode(v, key=k) for k, v in values.items()})
     loader = make_loader(store, runtime, capacity=8192)  # two 4 KiB buffers for six loads
     for key in values:
         loader.submit(key, NewTensor((1024,), torch.float32))
