@@ -7,10 +7,13 @@ hiredis buffer -> reply ``bytes``), which held 4 MiB reads at ~0.6x of ``redis-b
 is parsed, so the payload is copied once (kernel -> chunk). With :meth:`ChunkReader.mget_into` the
 caller names that memory itself (slices of the destination tensor), so nothing is allocated per read.
 
-Scope is deliberately tiny: RESP2 replies to ``AUTH``, ``SELECT`` and ``MGET`` only, on plain TCP or unix
-sockets (``rediss://`` stays on redis-py). Every other command, and every write, goes through redis-py.
-Nothing read is evaluated; a declared bulk length above the caller's cap (the manifest's total) is a
-protocol error, so a hostile server cannot make us allocate more than the value we asked for.
+Scope is deliberately small: RESP2 replies to ``AUTH``, ``SELECT`` and ``MGET``, and to the pipelined
+``MULTI ... EXEC`` of a chunked write (:mod:`backends._redis_writer` builds it; :meth:`ChunkReader.execute`
+sends it), on plain TCP or unix sockets (``rediss://`` stays on redis-py). Every other command goes through
+redis-py. Nothing read is evaluated; a declared bulk length above the caller's cap (the manifest's total)
+is a protocol error, so a hostile server cannot make us allocate more than the value we asked for -- or,
+where the caller says so (the old value a ``SET ... GET`` hands back), it is read past and reported as
+:data:`SKIPPED`.
 
 Ownership: a connection is either idle in :class:`ChunkReader` or lent to exactly one request. A request
 that fails or is cancelled closes its connection (a half-read reply cannot be resumed) instead of
@@ -26,10 +29,24 @@ from typing import Any, cast
 
 from asyncconn.exceptions import BackendError, BackendUnavailable
 
-__all__ = ["ChunkReader", "ReplyError"]
+__all__ = ["SKIPPED", "ChunkReader", "ReplyError", "Skipped"]
 
 _LINE_BUFFER = 64 * 1024
-Reply = bytearray | bytes | memoryview | int | None
+
+
+class Skipped:
+    """The type of :data:`SKIPPED`: a bulk reply longer than the request's cap, read past unseen."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+
+SKIPPED = Skipped()
+Reply = bytearray | bytes | memoryview | int | Skipped | None
+#: What one request sends: one buffer, or several written out in order without being joined.
+Payload = bytes | Sequence[bytes | memoryview]
 
 
 class ReplyError(BackendError):
@@ -50,6 +67,8 @@ class _RespProtocol(asyncio.BufferedProtocol):
         self._dest: memoryview | None = None
         self._dest_fill = 0
         self._skip = 0  # the CRLF after a bulk string still to come
+        self._discard = 0  # bytes of an oversized bulk string still to read past
+        self._skip_oversized = False
         self._waiter: asyncio.Future[list[Reply]] | None = None
         self._replies: list[Reply] = []
         self._tops_left = 0
@@ -61,14 +80,22 @@ class _RespProtocol(asyncio.BufferedProtocol):
 
     # -- requests ------------------------------------------------------------------------------------
     def request(
-        self, payload: bytes, replies: int, max_bulk: int, slots: Sequence[memoryview] = ()
+        self,
+        payload: Payload,
+        replies: int,
+        max_bulk: int,
+        slots: Sequence[memoryview] = (),
+        *,
+        skip_oversized: bool = False,
     ) -> asyncio.Future[list[Reply]]:
         """Send ``payload`` and return a future for ``replies`` top-level replies (arrays flattened).
 
         With ``slots``, the n-th reply (arrays flattened), when it is a bulk string of exactly
         ``slots[n].nbytes``, is received into that caller memory and appears in the replies as the slot
         itself; one of another length gets its own ``bytearray`` as usual (the caller decides what a
-        mismatch means).
+        mismatch means). A bulk string over ``max_bulk`` is a protocol error, or with ``skip_oversized``
+        is read past and appears as :data:`SKIPPED`. A payload given as several buffers is handed to the
+        transport as they are (uvloop sends them with one ``writev``; nothing is joined).
         """
         assert self.transport is not None and self._waiter is None
         waiter: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
@@ -76,8 +103,11 @@ class _RespProtocol(asyncio.BufferedProtocol):
             waiter.set_exception(BackendUnavailable("connection closed by the server"))
             return waiter
         self._waiter, self._replies, self._tops_left, self._max_bulk = waiter, [], replies, max_bulk
-        self._slots = slots
-        self.transport.write(payload)
+        self._slots, self._skip_oversized = slots, skip_oversized
+        if isinstance(payload, bytes):
+            self.transport.write(payload)
+        else:
+            self.transport.writelines(payload)
         return waiter
 
     def done(self) -> None:
@@ -125,6 +155,13 @@ class _RespProtocol(asyncio.BufferedProtocol):
     def _parse(self) -> None:
         line, view, pos = self._line, self._view, 0
         while True:
+            if self._discard:
+                take = min(self._discard, self._fill - pos)
+                pos += take
+                self._discard -= take
+                if self._discard:
+                    break
+                self._skip = 2
             if self._skip:
                 take = min(self._skip, self._fill - pos)
                 if line[pos : pos + take] != b"\r\n"[2 - self._skip : 2 - self._skip + take]:
@@ -154,6 +191,10 @@ class _RespProtocol(asyncio.BufferedProtocol):
                 if length < 0:
                     self._replies.append(None)
                     self._item_done()
+                    continue
+                if length > self._max_bulk and self._skip_oversized:
+                    self._replies.append(SKIPPED)
+                    self._discard = length
                     continue
                 if length > self._max_bulk:
                     raise _ProtocolError(f"bulk reply of {length} bytes, over the {self._max_bulk} expected")
@@ -222,7 +263,7 @@ def _command(*args: bytes) -> bytes:
 
 
 class ChunkReader:
-    """A small pool of raw connections that only ever run ``MGET``; see the module docstring."""
+    """A small pool of raw connections that run ``MGET`` and chunked writes; see the module docstring."""
 
     def __init__(
         self,
@@ -289,19 +330,46 @@ class ChunkReader:
         return [r if isinstance(r, (memoryview, bytearray)) else None for r in replies]
 
     async def _request(self, names: Sequence[str], max_bulk: int, slots: Sequence[memoryview]) -> list[Reply]:
+        payload = _command(b"MGET", *(n.encode() for n in names))
+        return await self._run(payload, 1, max_bulk, slots, skip_oversized=False)
+
+    async def execute(
+        self, payload: Sequence[bytes | memoryview], replies: int, max_bulk: int
+    ) -> list[Reply]:
+        """Send pre-built commands (``payload``, written un-joined) and return their ``replies`` replies.
+
+        Arrays are flattened into the list. A bulk reply over ``max_bulk`` is :data:`SKIPPED`, not an
+        error: the caller asked for something it only needs to recognise (the old value ``SET ... GET``
+        hands back), and reading past it keeps the connection usable. An error reply raises
+        :class:`ReplyError` once the connection has been closed (the rest of the replies are not read).
+        A dead pooled connection is retried once on a fresh one, so ``payload`` must be safe to send
+        twice (a chunked write is: same keys, same bytes, same version).
+        """
+        return await self._run(payload, replies, max_bulk, (), skip_oversized=True)
+
+    async def _run(
+        self,
+        payload: Payload,
+        replies: int,
+        max_bulk: int,
+        slots: Sequence[memoryview],
+        *,
+        skip_oversized: bool,
+    ) -> list[Reply]:
         if self._closed:
             raise BackendUnavailable("chunk reader is closed")
-        payload = _command(b"MGET", *(n.encode() for n in names))
         async with self._slots:
             reused = bool(self._idle)
             try:
-                return await self._mget_on(await self._take(), payload, max_bulk, slots)
+                proto = await self._take()
+                return await self._run_on(proto, payload, replies, max_bulk, slots, skip_oversized)
             except BackendUnavailable:
                 if not reused:
                     raise
-                # An idle connection can be dead (the server restarted). MGET is idempotent: once more,
-                # on a connection opened now.
-                return await self._mget_on(await self._open_lent(), payload, max_bulk, slots)
+                # An idle connection can be dead (the server restarted). Every request sent here is
+                # idempotent (MGET; a chunked write of one version): once more, on a connection opened now.
+                proto = await self._open_lent()
+                return await self._run_on(proto, payload, replies, max_bulk, slots, skip_oversized)
 
     async def _take(self) -> _RespProtocol:
         while self._idle:
@@ -317,14 +385,20 @@ class ChunkReader:
         self._in_use.add(proto)
         return proto
 
-    async def _mget_on(
-        self, proto: _RespProtocol, payload: bytes, max_bulk: int, slots: Sequence[memoryview]
+    async def _run_on(
+        self,
+        proto: _RespProtocol,
+        payload: Payload,
+        replies: int,
+        max_bulk: int,
+        slots: Sequence[memoryview],
+        skip_oversized: bool,
     ) -> list[Reply]:
         ok = False
         try:
-            fut = proto.request(payload, 1, max_bulk, slots)
+            fut = proto.request(payload, replies, max_bulk, slots, skip_oversized=skip_oversized)
             try:
-                replies = await fut
+                got = await fut
             finally:
                 proto.done()
             ok = True
@@ -334,7 +408,7 @@ class ChunkReader:
                 self._idle.append(proto)
             else:
                 _close(proto)
-        return replies
+        return got
 
     async def close(self) -> None:
         self._closed = True

@@ -11,11 +11,14 @@ versioned chunks plus a manifest set last, inside one MULTI/EXEC with ``SET ... 
 which version it replaced and deletes exactly those chunks. Readers follow the manifest, retry once when a
 chunk has gone (a newer write or an eviction), and otherwise report a miss -- never a torn value.
 
-Speed: the put path hands redis-py memoryviews of the tensor, which it sends without joining them. The get
-path fetches one value's chunks over up to ``parallel`` connections at once, on plain TCP and unix sockets
-through :class:`backends._redis_reader.ChunkReader`, which receives each chunk straight into its own buffer
-(redis-py and hiredis copy every byte six times before the codec's copy; measured in docs/redis.md)
--- and, for :meth:`RedisBackend.get_into`, straight into the caller's tensor, with no buffer per read.
+Speed: on plain TCP and unix sockets a chunked put is one hand-built ``MULTI ... EXEC`` written over a raw
+connection as memoryviews of the tensor (:mod:`backends._redis_writer`), which also unlinks the version
+this process last wrote under the key inside the same transaction; elsewhere redis-py is handed the same
+memoryviews, which it sends without joining them. The get path fetches one value's chunks over up to
+``parallel`` connections at once, on plain TCP and unix sockets through
+:class:`backends._redis_reader.ChunkReader`, which receives each chunk straight into its own buffer (redis-py
+and hiredis copy every byte six times before the codec's copy; measured in docs/redis.md) -- and, for
+:meth:`RedisBackend.get_into`, straight into the caller's tensor, with no buffer per read.
 Every call is bounded by ``timeout``; redis-py's errors are translated here, in :meth:`RedisBackend._guard`,
 and never carry the password.
 """
@@ -45,6 +48,7 @@ from asyncconn.backend import Buffer, Sink, StorageBackend, Value
 from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigError
 from asyncconn.url import Param, StoreURL, redact
 from backends._redis_layout import (
+    MANIFEST_SIZE,
     Manifest,
     chunk_keys,
     chunks_complete,
@@ -54,7 +58,8 @@ from backends._redis_layout import (
     new_version,
     split_value,
 )
-from backends._redis_reader import ChunkReader
+from backends._redis_reader import ChunkReader, ReplyError
+from backends._redis_writer import RecentVersions, chunked_write
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +94,7 @@ class RedisBackend(StorageBackend):
         "db": Param(_db_number, None, "database number (unix:// URLs; redis:// may give it as the path)"),
         "check": Param.boolean(True, "PING when opening, so a wrong address or password fails at once"),
         "fast_read": Param.boolean(
-            True, "read chunks over raw sockets straight into their buffers (not TLS)"
+            True, "read chunks into their buffers, and write chunked values, over raw sockets (not TLS)"
         ),
         "tls_ca": Param.text(None, "rediss://: CA bundle that signed the server certificate"),
         "tls_cert": Param.text(None, "rediss://: client certificate (mutual TLS)"),
@@ -116,6 +121,8 @@ class RedisBackend(StorageBackend):
         self._pool = pool
         self._client = aioredis.Redis(connection_pool=pool)
         self._settings("redis", name, password, prefix, ttl, chunk_size, parallel, timeout, reader)
+        # A single server: chunked writes can take the reader's raw connections too (a cluster cannot).
+        self._writer: ChunkReader | None = reader
 
     def _settings(
         self,
@@ -141,6 +148,8 @@ class RedisBackend(StorageBackend):
         self.parallel = parallel
         self.timeout = timeout
         self._reader = reader
+        self._writer = None
+        self._recent = RecentVersions()
         self._closed = False
         self._reaping: set[asyncio.Task[None]] = set()
 
@@ -298,6 +307,7 @@ class RedisBackend(StorageBackend):
             olds = await pipe.execute(raise_on_error=False)
         doomed: list[str] = []
         for (key, _), old in zip(items, olds, strict=True):
+            self._recent.forget(main_key(self.prefix, key))
             if isinstance(old, Exception):
                 raise old
             previous = Manifest.parse(old) if isinstance(old, bytes) else None
@@ -310,6 +320,9 @@ class RedisBackend(StorageBackend):
         head = main_key(self.prefix, key)
         manifest = Manifest(new_version(), len(chunks), sum(c.nbytes for c in chunks))
         names = chunk_keys(self.prefix, key, manifest)
+        if self._writer is not None:
+            await self._put_chunked_raw(key, head, manifest, names, chunks, self._writer)
+            return
         async with self._client.pipeline(transaction=True) as pipe:
             for name, chunk in zip(names, chunks, strict=True):
                 pipe.set(name, chunk, px=self._px)
@@ -325,6 +338,42 @@ class RedisBackend(StorageBackend):
         previous = Manifest.parse(old) if isinstance(old, bytes) else None
         # A retried transaction (connection lost after EXEC) reads back its own manifest: keep those chunks.
         if previous is not None and previous.version != manifest.version:
+            self._reap(chunk_keys(self.prefix, key, previous))
+
+    async def _put_chunked_raw(
+        self,
+        key: str,
+        head: str,
+        manifest: Manifest,
+        names: list[str],
+        chunks: list[memoryview],
+        writer: ChunkReader,
+    ) -> None:
+        """:meth:`_put_chunked` as one hand-built transaction on a raw connection (see _redis_writer).
+
+        The chunks of the version this process last wrote under ``key`` are unlinked inside it; a replaced
+        version that was not predicted (another writer's) is reaped afterwards, as on the redis-py path.
+        """
+        predicted = self._recent.get(head)
+        stale = chunk_keys(self.prefix, key, predicted) if predicted is not None else []
+        job = chunked_write(head, manifest.pack(), names, chunks, px=self._px, stale=stale)
+        self._recent.forget(head)  # until this write is known to have landed
+        try:
+            replies = await writer.execute(job.payload, job.replies, MANIFEST_SIZE)
+        except ReplyError:
+            # WRONGTYPE (a non-string under our key) or a refused transaction: remove whatever chunks
+            # landed, so none is left orphaned, and report the error itself.
+            with contextlib.suppress(rexc.RedisError, OSError):
+                await self._client.unlink(*names)
+            raise
+        if len(replies) <= job.replaced_at:  # e.g. a nil EXEC: not what a server sends for this request
+            raise BackendError(f"unexpected reply to a chunked write: {len(replies)} items")
+        self._recent.remember(head, manifest)
+        old = replies[job.replaced_at]
+        previous = Manifest.parse(bytes(old)) if isinstance(old, (bytes, bytearray)) else None
+        # A retried transaction (its connection died after EXEC) reads back its own manifest: keep those.
+        unlinked = (manifest.version, predicted.version if predicted is not None else None)
+        if previous is not None and previous.version not in unlinked:
             self._reap(chunk_keys(self.prefix, key, previous))
 
     def _reap(self, names: list[str]) -> None:
@@ -480,6 +529,7 @@ class RedisBackend(StorageBackend):
             removed = 0
             doomed: list[str] = []
             for key, head, old in zip(keys, heads, olds, strict=True):
+                self._recent.forget(head)
                 if isinstance(old, rexc.ResponseError):  # not a string: someone else's type, delete anyway
                     removed += int(await self._client.delete(head))
                 elif isinstance(old, Exception):

@@ -29,6 +29,7 @@ from backends._redis_layout import (
     main_key,
     split_value,
 )
+from backends._redis_writer import RecentVersions, chunked_write
 from backends.redis import RedisBackend
 from tests.servers import RedisServer, wait_port
 
@@ -91,6 +92,41 @@ def test_fill_scatters_across_destinations() -> None:
     assert dests == [bytearray(b"ab"), bytearray(b"cde")]
     with pytest.raises(ValueError, match="6 bytes into 5"):
         fill([memoryview(d) for d in dests], b"abcdef")
+
+
+def test_chunked_write_is_resp_around_the_callers_memory() -> None:
+    big = memoryview(bytearray(b"x" * 5000))
+    small = memoryview(b"hdr")
+    job = chunked_write("{k}", b"MANIFEST", ["{k}:v:0", "{k}:v:1"], [small, big], px=1500, stale=["{k}:o:0"])
+    expiry = b"$2\r\nPX\r\n$4\r\n1500\r\n"
+    expected = (
+        b"*1\r\n$5\r\nMULTI\r\n"
+        b"*5\r\n$3\r\nSET\r\n$7\r\n{k}:v:0\r\n$3\r\nhdr\r\n" + expiry
+        + b"*5\r\n$3\r\nSET\r\n$7\r\n{k}:v:1\r\n$5000\r\n" + b"x" * 5000 + b"\r\n" + expiry
+        + b"*6\r\n$3\r\nSET\r\n$3\r\n{k}\r\n$8\r\nMANIFEST\r\n" + expiry + b"$3\r\nGET\r\n"
+        + b"*2\r\n$6\r\nUNLINK\r\n$7\r\n{k}:o:0\r\n"
+        + b"*1\r\n$4\r\nEXEC\r\n"
+    )  # fmt: skip
+    assert b"".join(job.payload) == expected
+    assert any(part is big for part in job.payload)  # sent from the caller's memory, not copied
+    assert len(job.payload) == 3  # small buffers around the one large argument
+    # OK, 4 x QUEUED, then EXEC's array: OK, OK, <old manifest>, <unlinked count>
+    assert (job.replies, job.replaced_at) == (6, 7)
+    plain = chunked_write("{k}", b"M", ["{k}:v:0"], [small], px=None)
+    assert b"PX" not in b"".join(plain.payload) and (plain.replies, plain.replaced_at) == (4, 4)
+
+
+def test_recent_versions_are_bounded() -> None:
+    recent = RecentVersions(capacity=2)
+    a, b, c = (Manifest(bytes([i]) * 8, 1, 10) for i in range(3))
+    recent.remember("a", a)
+    recent.remember("b", b)
+    recent.remember("a", a)  # refreshed: "b" is now the oldest
+    recent.remember("c", c)
+    assert (recent.get("a"), recent.get("b"), recent.get("c"), len(recent)) == (a, None, c, 2)
+    recent.forget("a")
+    recent.forget("nothing")
+    assert recent.get("a") is None and len(recent) == 1
 
 
 # -- round trips ---------------------------------------------------------------------------------------
@@ -256,15 +292,16 @@ async def test_prefixes_isolate_stores(redis_server: RedisServer, raw: aioredis.
 
 
 async def test_database_selection(redis_server: RedisServer) -> None:
-    one = await _open(_url(redis_server, "prefix=dbsel:", db=1))
-    two = await _open(f"redis://127.0.0.1:{redis_server.port}?db=2&prefix=dbsel:")
+    one = await _open(_url(redis_server, "prefix=dbsel:&chunk_size=1KiB", db=1))
+    two = await _open(f"redis://127.0.0.1:{redis_server.port}?db=2&prefix=dbsel:&chunk_size=1KiB")
     raw1 = aioredis.Redis(host="127.0.0.1", port=redis_server.port, db=1)
     try:
-        await one.put([("k", b"in db 1")])
-        assert await two.get(["k"]) == [None]
+        await one.put([("k", b"in db 1"), ("big", os.urandom(3000))])  # inline, and chunked (raw writer)
+        assert await two.get(["k", "big"]) == [None, None]
         assert await raw1.get("dbsel:{k}") == b"in db 1"
+        assert len(await raw1.keys("dbsel:{big}*")) == 1 + 3
     finally:
-        await one.delete(["k"])
+        await one.delete(["k", "big"])
         await raw1.aclose()
         await one.close()
         await two.close()
@@ -281,10 +318,10 @@ def password_server() -> Iterator[RedisServer]:
 
 
 async def test_password_auth(password_server: RedisServer) -> None:
-    backend = await _open(password_server.url + "?prefix=auth:")
+    backend = await _open(password_server.url + "?prefix=auth:&chunk_size=1KiB")
     try:
-        await backend.put([("k", b"v")])
-        assert await backend.exists(["k"]) == [True]
+        await backend.put([("k", b"v"), ("big", os.urandom(3000))])  # the raw writer authenticates too
+        assert await backend.exists(["k", "big"]) == [True, True]
     finally:
         await backend.close()
 
@@ -431,10 +468,62 @@ def test_round_trip_on_the_runtime_loop(redis_server: RedisServer, runtime: Runt
     assert runtime.uses_uvloop
 
 
-async def test_close_waits_for_background_unlinks(redis_server: RedisServer, raw: aioredis.Redis) -> None:
-    """A put returns once the new value is committed; close() still removes every replaced chunk."""
-    backend = await _open(_url(redis_server, "chunk_size=100&prefix=reap:"))
+@pytest.mark.parametrize("fast_read", ["true", "false"])
+async def test_close_waits_for_background_unlinks(
+    redis_server: RedisServer, raw: aioredis.Redis, fast_read: str
+) -> None:
+    """A put returns once the new value is committed; close() still removes every replaced chunk.
+
+    Two writers take turns, so each replaces a version the other wrote: one it could not predict, which
+    is unlinked in the background rather than inside its transaction.
+    """
+    query = f"chunk_size=100&prefix=reap-{fast_read}:&fast_read={fast_read}"
+    one, two = await _open(_url(redis_server, query)), await _open(_url(redis_server, query))
     for _ in range(5):
-        await backend.put([("k", os.urandom(1000))])
-    await backend.close()
-    assert len(await raw.keys("reap:*")) == 1 + 10
+        for backend in (one, two):
+            await backend.put([("k", os.urandom(1000))])
+    await one.close()
+    await two.close()
+    assert len(await raw.keys(f"reap-{fast_read}:*")) == 1 + 10
+
+
+async def test_overwrite_unlinks_its_own_last_version_inside_the_write(
+    redis_server: RedisServer, raw: aioredis.Redis
+) -> None:
+    """The version this process wrote last is unlinked in the same transaction: nothing left to reap."""
+    backend = await _open(_url(redis_server, "chunk_size=100&prefix=fold:"))
+    other = await _open(_url(redis_server, "chunk_size=100&prefix=fold:"))
+    try:
+        for _ in range(3):
+            await backend.put([("k", os.urandom(1000))])
+            assert not backend._reaping  # no background unlink was needed
+            assert len(await raw.keys("fold:*")) == 1 + 10  # only the current version's chunks
+        await other.put([("k", os.urandom(450))])  # another writer: its version is not predicted...
+        await other.settle()
+        await backend.put([("k", os.urandom(1000))])  # ...so it is reaped after the write
+        await backend.settle()
+        assert len(await raw.keys("fold:*")) == 1 + 10
+        assert await backend.delete(["k"]) == 1 and await raw.keys("fold:*") == []
+        await backend.put([("k", os.urandom(1000))])  # delete forgot the version: nothing stale folded
+        assert len(await raw.keys("fold:*")) == 1 + 10
+        assert backend.connection_counts()[1] == 0
+    finally:
+        await backend.close()
+        await other.close()
+
+
+async def test_chunked_write_over_a_large_foreign_value(
+    redis_server: RedisServer, raw: aioredis.Redis
+) -> None:
+    """``SET ... GET`` hands back a big foreign value: read past (not an error), the connection reused."""
+    backend = await _open(_url(redis_server, "chunk_size=1KiB&prefix=big-old:"))
+    try:
+        await raw.set(main_key("big-old:", "k"), os.urandom(300_000))
+        value = os.urandom(5000)
+        for _ in range(2):
+            await backend.put([("k", value)])
+        assert backend._reader is not None and backend._reader.counts() == (1, 0)  # one, kept: not torn down
+        (got,) = await backend.get(["k"])
+        assert got is not None and b"".join(got) == value
+    finally:
+        await backend.close()

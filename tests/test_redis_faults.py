@@ -19,7 +19,7 @@ from asyncconn.backend import open_backend
 from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable
 from asyncconn.store import Fetch, TensorStore
 from backends._redis_layout import MANIFEST_MAGIC, Manifest, chunk_keys, main_key
-from backends._redis_reader import ChunkReader
+from backends._redis_reader import SKIPPED, ChunkReader, ReplyError
 from backends.redis import RedisBackend
 from tests.servers import RedisServer
 
@@ -278,8 +278,12 @@ async def test_racing_writers_never_show_a_torn_value(
     stop = asyncio.Event()
 
     async def write(store: TensorStore, value: torch.Tensor) -> None:
-        for _ in range(25):
+        # At least 25 rounds, and on (up to a cap) until both readers have seen a whole value: how many
+        # reads fit between the writes depends on the machine, the rounds are counted, never timed.
+        rounds = 0
+        while rounds < 25 or (not (seen and seen_direct) and rounds < 2000):
             await store.put([("k", value)])
+            rounds += 1
 
     async def read() -> None:
         while not stop.is_set():
@@ -503,5 +507,113 @@ async def test_chunk_reader_server_closing_mid_reply_is_unavailable() -> None:
         assert reader.counts() == (0, 0)
     finally:
         await reader.close()
+        server.close()
+        await server.wait_closed()
+
+
+# -- chunked writes over the raw connections -------------------------------------------------------------
+async def test_chunk_reader_execute_reads_past_oversized_replies() -> None:
+    big = os.urandom(100_000)
+    server = await _serve(b"+OK\r\n+QUEUED\r\n*2\r\n$%d\r\n%s\r\n:3\r\n" % (len(big), big))
+    reader = _reader_for(server)
+    try:
+        for _ in range(2):  # the connection stays usable: the big reply was read past, not left behind
+            replies = await reader.execute([b"anything"], 3, 40)
+            assert replies == [b"OK", b"QUEUED", SKIPPED, 3]
+        assert reader.counts() == (1, 0)
+    finally:
+        await reader.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_chunk_reader_execute_error_reply_closes_the_connection() -> None:
+    server = await _serve(b"+OK\r\n-OOM command not allowed\r\n-EXECABORT discarded\r\n")
+    reader = _reader_for(server)
+    try:
+        with pytest.raises(ReplyError, match="OOM"):
+            await reader.execute([b"MULTI", memoryview(b"...")], 3, 40)
+        assert reader.counts() == (0, 0)
+    finally:
+        await reader.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_write_to_a_server_dropping_the_connection_is_unavailable() -> None:
+    """A connection that dies mid-write is a BackendUnavailable, never a raw OSError, and nothing leaks."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)  # part of the transaction, then the connection is reset
+        writer.transport.abort()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    backend = await open_backend(f"redis://127.0.0.1:{port}/0?check=false&chunk_size=64KiB")
+    assert isinstance(backend, RedisBackend)
+    try:
+        with pytest.raises(BackendUnavailable, match="put failed"):
+            await backend.put([("k", os.urandom(1 << 20))])
+        assert backend.connection_counts()[1] == 0
+    finally:
+        await backend.close()
+        server.close()
+        await server.wait_closed()
+    assert backend.connection_counts() == (0, 0)
+
+
+async def test_write_cut_off_mid_send_leaves_the_old_value(fresh_redis: RedisServer) -> None:
+    """A write that times out half sent never reached EXEC: the old value stays whole, no chunk is added."""
+    tasks_before = _tasks()
+    store = await _store(f"{fresh_redis.url}?prefix=cut:&timeout=500ms", timeout=5.0)
+    backend = _backend(store)
+    patient = await _store(f"{fresh_redis.url}?prefix=cut:&timeout=30s", timeout=30.0)  # busy machines
+    raw = aioredis.Redis(host="127.0.0.1", port=fresh_redis.port)
+    old = torch.arange(1 << 19, dtype=torch.int32)  # 2 MiB: chunked
+    new = torch.ones(16 << 20, dtype=torch.int32)  # 64 MiB: more than loopback's socket buffers hold
+    try:
+        await patient.put([("k", old)])
+        before = sorted(await raw.keys("cut:*"))
+        assert await store.get_into("k", torch.empty_like(old))  # the write below reuses a raw connection
+        fresh_redis.pause()
+        with pytest.raises(BackendTimeout):
+            await store.put([("k", new)])
+        assert backend.connection_counts()[1] == 0
+        fresh_redis.resume()
+        out = torch.empty_like(old)
+        assert await patient.get_into("k", out) and torch.equal(out, old)
+        assert sorted(await raw.keys("cut:*")) == before
+        await patient.put([("k", new)])  # and the next write goes through
+        (got,) = await patient.get(["k"])
+        assert got is not None and torch.equal(got, new)
+    finally:
+        fresh_redis.resume()
+        await raw.aclose()
+        await store.close()
+        await patient.close()
+    assert backend.connection_counts() == (0, 0)
+    assert _tasks() == tasks_before
+
+
+async def test_write_answered_with_a_nil_exec_is_a_backend_error() -> None:
+    """A reply that does not fit the transaction sent is an error, not an IndexError or a silent success."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"EXEC\r\n")
+        writer.write(b"+OK\r\n" + b"+QUEUED\r\n" * 4 + b"*-1\r\n")  # as if a WATCH had aborted it
+        await writer.drain()
+        await reader.read()  # until the client goes away
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    backend = await open_backend(f"redis://127.0.0.1:{port}/0?check=false&chunk_size=1KiB")
+    assert isinstance(backend, RedisBackend)
+    try:
+        with pytest.raises(BackendError, match="unexpected reply"):
+            await backend.put([("k", os.urandom(3000))])  # three chunks and the manifest: four queued
+        assert backend.connection_counts()[1] == 0
+    finally:
+        await backend.close()
         server.close()
         await server.wait_closed()
