@@ -11,7 +11,9 @@ CPU (always):
   per put, in steps of ``--save-batch`` submits followed by ``flush`` (what the adapter's
   ``wait_for_save`` calls), ``poll_finished`` and a 1 ms pause, as a worker would; the latency of those two
   calls beside a bare ``runtime.submit`` of an empty coroutine at the same moment (the floor of any
-  hand-off to the loop); and saves/s through the tracker against one ``runtime.run`` of a batch put.
+  hand-off to the loop); and saves/s through the tracker against one ``runtime.run`` of a batch put. Both
+  snapshot modes, alternating round by round: the copy thread (``saver_cpu``, the CPU default) and the
+  synchronous copy inside ``submit`` (``saver_cpu_sync``, the flow CUDA uses).
 
 CUDA (only when ``torch.cuda.is_available()``):
 
@@ -208,91 +210,123 @@ def _bare_submit(runtime: Runtime) -> Callable[[], object]:
 
 
 # -- CPU: saver ----------------------------------------------------------------------------------------
+class _SaverSamples:
+    """Everything measured for one snapshot mode, over all rounds."""
+
+    def __init__(self) -> None:
+        self.submit: list[float] = []
+        self.flush: list[float] = []
+        self.bare: list[float] = []
+        self.poll: list[float] = []
+        self.p99_per_run: list[float] = []
+        self.report: list[float] = []
+        self.tracker_s: list[float] = []
+
+
+def _saver_round(
+    runtime: Runtime,
+    args: argparse.Namespace,
+    slow: TensorStore,
+    pool: PinnedPool,
+    tensors: list[torch.Tensor],
+    rep: str,
+    copy_thread: bool,
+    out: _SaverSamples,
+) -> None:
+    """One round of the stepped workload against the slow store, as a worker would drive it."""
+    tracker = SaveTracker(slow, runtime=runtime, device=CpuDevice(), pool=pool, copy_thread=copy_thread)
+    run_samples: list[float] = []
+    started: dict[str, float] = {}
+    finished: set[str] = set()
+    for i in range(args.saves):
+        request = f"{rep}-req{i // args.save_batch}"
+        started.setdefault(request, time.perf_counter())
+        t = time.perf_counter()
+        tracker.submit(request, f"{rep}-save{i}", tensors[i % len(tensors)])
+        run_samples.append(time.perf_counter() - t)
+        if i % args.save_batch == args.save_batch - 1:
+            # End of a step: the adapter's wait_for_save() flushes, get_finished() polls.
+            # The first hand-off of a step wakes a loop that may have work queued (puts started by
+            # earlier steps) and can wait for the GIL behind it; alternate which call goes first so
+            # both are measured in both positions.
+            calls = [(tracker.flush, out.flush), (_bare_submit(runtime), out.bare)]
+            if (i // args.save_batch) % 2:
+                calls.reverse()
+            for call, samples in calls:
+                t = time.perf_counter()
+                call()
+                samples.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            done = tracker.poll_finished()
+            now = time.perf_counter()
+            out.poll.append(now - t)
+            out.report.extend(now - started[r] for r in done)
+            finished |= done
+            time.sleep(0.001)  # the rest of a forward step
+    _drain_saves(tracker, finished, started, out.report)
+    tracker.close()
+    out.submit += run_samples
+    out.p99_per_run.append(_pct(run_samples, 99))
+
+
 def _bench_saver(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
+    """Both snapshot modes on the CPU device, alternating round by round in this one run: the copy thread
+    (the default, ``saver_cpu``) and the synchronous copy inside ``submit`` (``saver_cpu_sync``)."""
     numel = max(args.save_size // 4, 1)
     tensors = [torch.randn(numel) for _ in range(64)]
-    device = CpuDevice()
     latency_ms = args.put_latency * 1e3
     slow = _open(runtime, f"memory://?latency={latency_ms:g}ms")
     # One pool for every run, prefilled as an operator would at start-up: what is measured is the steady
-    # state, not first-touch page faults of fresh staging memory (reported separately below).
-    pool = PinnedPool(args.pool, device=device)
+    # state, not first-touch page faults of fresh staging memory.
+    pool = PinnedPool(args.pool, device=CpuDevice())
     pool.prefill(numel * 4, args.saves)
-    submit_s: list[float] = []
-    flush_s: list[float] = []
-    bare_s: list[float] = []
-    poll_s: list[float] = []
-    p99_per_run: list[float] = []
-    report_s: list[float] = []
+    modes = {True: _SaverSamples(), False: _SaverSamples()}
     for rep in range(args.repeat):
-        tracker = SaveTracker(slow, runtime=runtime, device=device, pool=pool)
-        run_samples: list[float] = []
-        started: dict[str, float] = {}
-        finished: set[str] = set()
-        for i in range(args.saves):
-            request = f"rep{rep}-req{i // args.save_batch}"
-            started.setdefault(request, time.perf_counter())
-            t = time.perf_counter()
-            tracker.submit(request, f"rep{rep}-save{i}", tensors[i % len(tensors)])
-            run_samples.append(time.perf_counter() - t)
-            if i % args.save_batch == args.save_batch - 1:
-                # End of a step: the adapter's wait_for_save() flushes, get_finished() polls.
-                # The first hand-off of a step wakes a loop that may have work queued (puts started by
-                # earlier steps) and can wait for the GIL behind it; alternate which call goes first so
-                # both are measured in both positions.
-                calls = [(tracker.flush, flush_s), (_bare_submit(runtime), bare_s)]
-                if (i // args.save_batch) % 2:
-                    calls.reverse()
-                for call, samples in calls:
-                    t = time.perf_counter()
-                    call()
-                    samples.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                done = tracker.poll_finished()
-                now = time.perf_counter()
-                poll_s.append(now - t)
-                report_s.extend(now - started[r] for r in done)
-                finished |= done
-                time.sleep(0.001)  # the rest of a forward step
-        _drain_saves(tracker, finished, started, report_s)
-        tracker.close()
-        submit_s += run_samples
-        p99_per_run.append(_pct(run_samples, 99))
+        for copy_thread in (True, False) if rep % 2 == 0 else (False, True):
+            name = f"rep{rep}-{'thread' if copy_thread else 'sync'}"
+            _saver_round(runtime, args, slow, pool, tensors, name, copy_thread, modes[copy_thread])
 
     fast = _open(runtime, "memory://")
-    tracker_s, direct_s = [], []
+    direct_s = []
     for rep in range(args.repeat):
-        tracker = SaveTracker(fast, runtime=runtime, device=device, pool=pool)
-        t0 = time.perf_counter()
-        for i in range(args.saves):
-            tracker.submit(f"r{i}", f"fast{rep}-{i}", tensors[i % len(tensors)])
-        _drain_saves(tracker, set())
-        tracker_s.append(time.perf_counter() - t0)
-        tracker.close()
+        for copy_thread, samples in modes.items():
+            tracker = SaveTracker(
+                fast, runtime=runtime, device=CpuDevice(), pool=pool, copy_thread=copy_thread
+            )
+            t0 = time.perf_counter()
+            for i in range(args.saves):
+                tracker.submit(f"r{i}", f"fast{rep}-{copy_thread}-{i}", tensors[i % len(tensors)])
+            _drain_saves(tracker, set())
+            samples.tracker_s.append(time.perf_counter() - t0)
+            tracker.close()
         items = [(f"direct{rep}-{i}", tensors[i % len(tensors)].clone()) for i in range(args.saves)]
         t0 = time.perf_counter()
         runtime.run(fast.put(items))
         direct_s.append(time.perf_counter() - t0)
     n = args.saves
-    tracker_med, direct_med = statistics.median(tracker_s), statistics.median(direct_s)
-    return {
-        "saves": n,
-        "value_bytes": numel * 4,
-        "put_latency_ms": latency_ms,
-        "submit_p50_us": _us(_pct(submit_s, 50)),
-        "submit_p99_us": _us(_pct(submit_s, 99)),
-        "submit_max_us": _us(max(submit_s)),
-        "submit_p99_us_median_of_runs": _us(statistics.median(p99_per_run)),
-        "flush_p50_us": _us(_pct(flush_s, 50)),
-        "flush_p99_us": _us(_pct(flush_s, 99)),
-        "bare_runtime_submit_p50_us": _us(_pct(bare_s, 50)),
-        "bare_runtime_submit_p99_us": _us(_pct(bare_s, 99)),
-        "poll_finished_p50_us": _us(_pct(poll_s, 50)),
-        "poll_finished_p99_us": _us(_pct(poll_s, 99)),
-        "request_reported_after_ms_p50": round(_pct(report_s, 50) * 1e3, 1) if report_s else None,
-        "tracker_saves_per_s_no_latency": round(n / tracker_med),
-        "batch_put_saves_per_s_no_latency": round(n / direct_med),
-    }
+    direct_med = statistics.median(direct_s)
+    out: dict[str, Any] = {}
+    for copy_thread, m in modes.items():
+        out["saver_cpu" if copy_thread else "saver_cpu_sync"] = {
+            "copy_thread": copy_thread,
+            "saves": n,
+            "value_bytes": numel * 4,
+            "put_latency_ms": latency_ms,
+            "submit_p50_us": _us(_pct(m.submit, 50)),
+            "submit_p99_us": _us(_pct(m.submit, 99)),
+            "submit_max_us": _us(max(m.submit)),
+            "submit_p99_us_median_of_runs": _us(statistics.median(m.p99_per_run)),
+            "flush_p50_us": _us(_pct(m.flush, 50)),
+            "flush_p99_us": _us(_pct(m.flush, 99)),
+            "bare_runtime_submit_p50_us": _us(_pct(m.bare, 50)),
+            "bare_runtime_submit_p99_us": _us(_pct(m.bare, 99)),
+            "poll_finished_p50_us": _us(_pct(m.poll, 50)),
+            "poll_finished_p99_us": _us(_pct(m.poll, 99)),
+            "request_reported_after_ms_p50": round(_pct(m.report, 50) * 1e3, 1) if m.report else None,
+            "tracker_saves_per_s_no_latency": round(n / statistics.median(m.tracker_s)),
+            "batch_put_saves_per_s_no_latency": round(n / direct_med),
+        }
+    return out
 
 
 # -- CUDA ----------------------------------------------------------------------------------------------
@@ -417,7 +451,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             },
             "repeat": args.repeat,
             "loader_cpu": _bench_loader(runtime, args),
-            "saver_cpu": _bench_saver(runtime, args),
+            **_bench_saver(runtime, args),
         }
         out["gpu"] = _bench_gpu(runtime, args) if torch.cuda.is_available() else "not run: no CUDA device"
         return out
@@ -427,7 +461,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_human(result: dict[str, Any]) -> None:
-    for section in ("loader_cpu", "saver_cpu"):
+    for section in ("loader_cpu", "saver_cpu", "saver_cpu_sync"):
         print(f"{section}:")
         for key, value in result[section].items():
             print(f"  {key:<38} {value}")

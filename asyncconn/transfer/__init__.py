@@ -1,7 +1,8 @@
 """Worker-side transfer engines: a pinned staging pool, the stream loader (H2D) and the save tracker (D2H).
 
 Both engines are driven by polling from vLLM's worker thread, which owns the device state; store I/O runs on
-the runtime loop. On a machine without CUDA the same API runs synchronously on CPU tensors.
+the runtime loop. On a machine without CUDA the same API runs on CPU tensors: the loader's copies inline,
+the save tracker's on its copy thread (the CPU's "side stream").
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from asyncconn.transfer._device import CpuDevice, CudaDevice, TransferDevice, default_device
 from asyncconn.transfer.dest import BlockDest, Destination, NewTensor
 from asyncconn.transfer.failures import Failure
+from asyncconn.transfer.lazy import LazyTensor, Shared, Slice
 from asyncconn.transfer.loader import LoadResult, StreamLoader
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 from asyncconn.transfer.saver import SaveTracker
@@ -19,11 +21,14 @@ __all__ = [
     "CudaDevice",
     "Destination",
     "Failure",
+    "LazyTensor",
     "LoadResult",
     "NewTensor",
     "PinnedBuffer",
     "PinnedPool",
     "SaveTracker",
+    "Shared",
+    "Slice",
     "StreamLoader",
     "TransferDevice",
     "default_device",

@@ -1,16 +1,26 @@
 """SaveTracker: snapshot now, put later, report completion per request -- ``wait_for_save`` without the wait.
 
-``submit(request_id, key, tensor)`` returns at once. It copies the tensor into a staging buffer -- on CUDA a
-D2H on the tracker's side stream, ordered after an event recorded on the producing stream; on CPU a
-synchronous copy -- and stages the save. It does not touch the loop: :meth:`SaveTracker.flush` hands every
-staged save to the loop in batches (one ``exists`` and one ``put`` per batch, one loop wake-up per batch), and
+``submit(request_id, key, tensor)`` returns at once. It takes a staging buffer and stages the save; it does
+not touch the loop. Two ways to snapshot, chosen by the device:
+
+* **CUDA** (and a ``CpuDevice`` with ``copy_thread=False``): ``submit`` issues the copy -- on CUDA a D2H on
+  the tracker's side stream, ordered after an event recorded on the producing stream; on CPU a synchronous
+  copy. :meth:`SaveTracker.flush` notices fired events (``event.query()``) and hands the staged saves to the
+  loop in batches (one ``exists`` and one ``put`` per batch, one loop wake-up per batch). The loop never
+  waits on CUDA; the alternative -- the loop polling events on a timer -- would wake it for nothing most of
+  the time.
+* **CPU with a copy thread** (the default on CPU): the copies are the expensive part there, so ``submit``
+  only queues the save and ``flush`` posts the step's saves to the tracker's :class:`CopyThread` as *one*
+  job. That thread evaluates lazy sources (:mod:`asyncconn.transfer.lazy`: the KV adapter's per-step gather),
+  copies into staging (torch releases the GIL meanwhile) and submits the put batches to the loop itself, so
+  the worker's ``flush`` is one queue put: no copy and no loop wake-up on the worker's thread. The thread
+  reports each job back through the same deque as the batches (job first, then its batches), so the worker
+  keeps sole ownership of every counter. ``wait_snapshots`` blocks until the copies reading given requests'
+  sources are done (preemption: their blocks are about to be reused).
+
 ``poll_finished``, ``pending`` and ``wait`` flush first. The KV adapter calls ``flush()`` from
 ``wait_for_save()``, at the end of the step's saves. Waking the loop once per save would hand the GIL to the
 loop thread in the middle of the worker's kernel launches, which is what makes a submit's tail slow.
-
-The loop never waits on CUDA: *the worker* notices that a D2H event has fired (``event.query()`` in
-``flush``) and only then hands the staged bytes to the loop. The alternative -- the loop polling
-``event.query()`` on a timer -- would wake the loop thread for nothing most of the time.
 
 A request is reported by :meth:`SaveTracker.poll_finished` once all of its saves are done, whether they
 succeeded or failed (failures are counted and logged: a failed save is a future miss, never a hung request),
@@ -20,10 +30,13 @@ Duplicates are not re-sent: a key saved recently by this tracker (a bounded LRU 
 is skipped at ``submit``; with ``skip_existing`` the loop asks the store ``exists`` for each batch and puts
 only the missing keys. Keys are content addresses (block hashes, mm hashes): the same key, the same bytes.
 
-The caller's tensor: on CPU it may be reused as soon as ``submit`` returns. On CUDA the snapshot itself runs
-asynchronously, and when the pool has no staging buffer free the save waits in a queue holding a reference
-to the tensor; in both cases the tensor must not be *written* until the request is reported -- exactly the
-contract of vLLM's delayed block free (``request_finished`` -> True). Freeing it is always safe.
+The caller's tensor: with a synchronous CPU device it may be reused as soon as ``submit`` returns. On CUDA
+and with a copy thread the snapshot itself runs asynchronously, and when the pool has no staging buffer free
+the save waits in a queue holding a reference to the tensor; in both cases the tensor must not be *written*
+until the request is reported -- exactly the contract of vLLM's delayed block free (``request_finished`` ->
+True). Freeing it is always safe. A lazy source (a :class:`LazyTensor`) is read when its copy runs: the copy
+thread evaluates every lazy source of a step in that step's job, even for saves still waiting for a buffer,
+so once ``wait_snapshots`` returns nothing reads the memory behind them any more.
 """
 
 from __future__ import annotations
@@ -34,6 +47,8 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import math
+import threading
 import time
 from collections.abc import Iterable
 
@@ -42,27 +57,34 @@ import torch
 from asyncconn.exceptions import PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import LoopFuture, Runtime, get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer._device import Event, TransferDevice, default_device
+from asyncconn.transfer._device import CpuDevice, Event, TransferDevice, default_device
+from asyncconn.transfer.copythread import CopyThread
 from asyncconn.transfer.failures import Failure, classify
+from asyncconn.transfer.lazy import LazyTensor
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 
 __all__ = ["SaveTracker"]
 
 log = logging.getLogger(__name__)
 
+Source = torch.Tensor | LazyTensor
+
 
 class _Save:
-    __slots__ = ("buf", "dtype", "event", "key", "producer", "request_id", "shape", "tensor")
+    __slots__ = ("buf", "dtype", "event", "key", "producer", "request_id", "shape", "source")
 
-    def __init__(self, request_id: str, key: str, tensor: torch.Tensor, producer: Event) -> None:
+    def __init__(self, request_id: str, key: str, source: Source, producer: Event | None) -> None:
         self.request_id = request_id
         self.key = key
-        self.tensor: torch.Tensor | None = tensor  # the caller's tensor, until snapshotted
-        self.dtype = tensor.dtype
-        self.shape = tuple(tensor.shape)
-        self.producer: Event | None = producer  # "the kernels that wrote tensor", recorded at submit
+        self.source: Source | None = source  # the caller's tensor (or lazy source), until snapshotted
+        self.dtype = source.dtype
+        self.shape = tuple(source.shape)
+        self.producer = producer  # "the kernels that wrote the tensor", recorded at submit (CUDA path)
         self.buf: PinnedBuffer | None = None
-        self.event: Event | None = None  # the snapshot copy
+        self.event: Event | None = None  # the snapshot copy (CUDA path)
+
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def staging(self) -> torch.Tensor:
         assert self.buf is not None
@@ -72,13 +94,51 @@ class _Save:
 class _Batch:
     """Saves handed to the loop together; the worker learns the outcome when ``future`` is done."""
 
-    __slots__ = ("cancel_requested", "future", "saves", "task")
+    __slots__ = ("cancel_requested", "error", "future", "saves", "task")
 
     def __init__(self, saves: list[_Save]) -> None:
         self.saves = saves
-        self.future: LoopFuture[list[bool]] | None = None
+        self.future: LoopFuture[list[bool]] | None = None  # set by the thread that submits the batch
+        self.error: tuple[Failure, str] | None = None  # copy thread: the batch could not be submitted
         self.cancel_requested = False  # loop-owned
         self.task: asyncio.Task[list[bool]] | None = None  # loop-owned
+
+
+class _Job:
+    """One flush's snapshots, run by the copy thread; it fills ``failed`` and ``batches``, then ends.
+
+    ``touch`` are the lazy sources of saves still waiting for a staging buffer: evaluated here too, so the
+    memory behind them (KV blocks) is read during this job, not whenever a buffer frees up. ``_running`` is
+    a lock held from creation until the copy thread has finished the job (cheaper to make on the worker's
+    hot path than a ``threading.Event``); :meth:`wait` blocks on it.
+    """
+
+    __slots__ = ("_running", "batches", "failed", "saves", "touch")
+
+    def __init__(self, saves: list[_Save], touch: list[tuple[str, LazyTensor]]) -> None:
+        self.saves = saves
+        self.touch = touch
+        self.failed: list[tuple[_Save, str]] = []
+        self.batches: list[_Batch] = []
+        self._running = threading.Lock()
+        self._running.acquire()
+
+    def reads(self, request_ids: set[str]) -> bool:
+        """Whether this job copies or evaluates a source of one of ``request_ids`` (off the hot path)."""
+        return any(s.request_id in request_ids for s in self.saves) or any(
+            rid in request_ids for rid, _ in self.touch
+        )
+
+    def finish(self) -> None:
+        """Copy thread: the job is over (its report is on the deque already)."""
+        self._running.release()
+
+    def wait(self, timeout: float) -> bool:
+        """True once the copy thread has finished the job; waits up to ``timeout`` seconds."""
+        if not self._running.acquire(timeout=max(timeout, 0.0)):
+            return False
+        self._running.release()
+        return True
 
 
 class _Request:
@@ -93,7 +153,9 @@ class SaveTracker:
     """Deferred saves to a :class:`TensorStore`, tracked per request. Call every method from one thread.
 
     ``put_batch`` bounds the saves per loop hand-off (one ``exists`` + one ``put`` each); ``recent_keys``
-    bounds the set of keys remembered as saved.
+    bounds the set of keys remembered as saved. ``copy_thread`` (default: on for a CPU device, refused for
+    CUDA, whose side stream already makes snapshots asynchronous) runs the snapshots and the loop hand-off
+    on a :class:`CopyThread` owned by the tracker; ``close`` joins it.
     """
 
     def __init__(
@@ -106,6 +168,7 @@ class SaveTracker:
         skip_existing: bool = True,
         recent_keys: int = 65536,
         put_batch: int = 64,
+        copy_thread: bool | None = None,
     ) -> None:
         if recent_keys < 0:
             raise TransferError(f"recent_keys must be >= 0, got {recent_keys}")
@@ -118,16 +181,24 @@ class SaveTracker:
         self.skip_existing = skip_existing
         self.recent_keys = recent_keys
         self.put_batch = put_batch
+        on_cpu = isinstance(self.device, CpuDevice)
+        if copy_thread and not on_cpu:
+            raise TransferError("copy_thread is for CPU devices; CUDA snapshots run on the side stream")
+        self._thread = CopyThread("asyncconn-save-copy") if (on_cpu and copy_thread is not False) else None
         self._requests: dict[str, _Request] = {}
         self._finished: set[str] = set()  # all saves done, not reported yet
         self._queued: collections.deque[_Save] = collections.deque()  # waiting for a staging buffer
         self._copying: collections.deque[_Save] = collections.deque()  # snapshot issued, event not fired
         self._staged: list[_Save] = []  # snapshot complete, not handed to the loop yet
+        self._step: list[_Save] = []  # copy thread: buffer taken, not posted yet
+        self._touch: list[tuple[str, LazyTensor]] = []  # copy thread: lazy sources of queued saves
+        self._jobs: collections.deque[_Job] = collections.deque()  # posted, not reported back yet
         self._batches: set[_Batch] = set()  # running on the loop
-        self._done: collections.deque[_Batch] = collections.deque()  # appended on the loop thread
+        self._done: collections.deque[_Batch | _Job] = collections.deque()  # appended by other threads
         self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._inflight_keys: set[str] = set()
         self._closed = False
+        self._cancelling = False  # read by the copy thread: past close()'s grace period, start no puts
         # Leak counters.
         self.buffers_out = 0
         self.events_out = 0
@@ -140,10 +211,16 @@ class SaveTracker:
         self.requests_failed = 0
         self.failures: collections.Counter[Failure] = collections.Counter()
 
-    # -- public API ------------------------------------------------------------------------------------
-    def submit(self, request_id: str, key: str, tensor: torch.Tensor) -> bool:
-        """Snapshot ``tensor`` to save it under ``key`` for ``request_id``; never waits, never wakes the loop.
+    @property
+    def copy_thread(self) -> CopyThread | None:
+        """The tracker's copy thread (None on CUDA or when disabled): snapshots run there, asynchronously."""
+        return self._thread
 
+    # -- public API ------------------------------------------------------------------------------------
+    def submit(self, request_id: str, key: str, tensor: torch.Tensor | LazyTensor) -> bool:
+        """Stage ``tensor`` to save under ``key`` for ``request_id``; never waits, never wakes the loop.
+
+        ``tensor`` may be a :class:`LazyTensor`: with a copy thread it is evaluated there, otherwise here.
         Returns False when the key is skipped as a duplicate (saved recently or being saved now).
         """
         if self._closed:
@@ -159,16 +236,24 @@ class SaveTracker:
         self._finished.discard(request_id)
         request.pending += 1
         self._inflight_keys.add(key)
-        save = _Save(request_id, key, tensor, self.device.mark())
+        if self._thread is None:
+            if not isinstance(tensor, torch.Tensor):
+                tensor = tensor()
+            save = _Save(request_id, key, tensor, self.device.mark())
+        else:
+            save = _Save(request_id, key, tensor, None)
         if self._queued or not self._snapshot(save):
             self._queued.append(save)
+            if self._thread is not None and not isinstance(tensor, torch.Tensor):
+                self._touch.append((request_id, tensor))
         return True
 
     def flush(self) -> None:
-        """Hand every snapshotted save to the loop, in batches; the adapter's ``wait_for_save`` calls this.
+        """Hand the step's saves on; the adapter's ``wait_for_save`` calls this.
 
-        Only the hand-off: completed puts are processed (buffers returned, requests counted) by
-        ``poll_finished``, so this stays a few microseconds plus one loop wake-up per batch.
+        With a copy thread: one job posted (nothing when nothing new was staged), no loop wake-up here.
+        Otherwise: every snapshotted save to the loop, one wake-up per ``put_batch`` saves. Completed puts
+        are processed (buffers returned, requests counted) by ``poll_finished``.
         """
         self._handoff()
 
@@ -198,6 +283,10 @@ class SaveTracker:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            jobs = [j for j in self._jobs if j.reads(wanted)]
+            if jobs:  # jobs run in order: the last one done means all of them are
+                jobs[-1].wait(min(remaining, 0.05))
+                continue
             futures = [
                 b.future
                 for b in self._batches
@@ -210,6 +299,29 @@ class SaveTracker:
                 time.sleep(min(remaining, 0.0005))  # a D2H event or a staging buffer: re-check soon
         return self._report(wanted & self._finished)
 
+    def wait_snapshots(self, request_ids: Iterable[str], timeout: float) -> bool:
+        """Block until no snapshot still reads the sources of ``request_ids``; False if ``timeout`` passed.
+
+        What preemption needs: the requests' memory (KV blocks) is reused right after, but their puts may go
+        on, since they read staging only. With a copy thread this covers lazy sources, also of saves still
+        waiting for a buffer (their gather ran in the step's job); a *plain tensor* of such a save is read
+        only when a buffer frees up, so it must stay unwritten until the request is reported. Without a copy
+        thread a CPU snapshot happened in ``submit`` and a CUDA one is followed through its event, queued
+        saves included.
+        """
+        wanted = set(request_ids)
+        deadline = time.monotonic() + timeout
+        if self._thread is not None:
+            self._handoff()  # post the step's copies, if flush() has not yet
+            jobs = [j for j in self._jobs if j.reads(wanted)]
+            return not jobs or jobs[-1].wait(deadline - time.monotonic())
+        while any(s.request_id in wanted for s in (*self._queued, *self._copying)):
+            if time.monotonic() >= deadline:
+                return False
+            self._progress()
+            time.sleep(0.0005)
+        return True
+
     def counters(self) -> dict[str, int]:
         """Resources and state held right now; all 0 once every request is reported."""
         return {
@@ -218,6 +330,7 @@ class SaveTracker:
             "buffers_out": self.buffers_out,
             "events_out": self.events_out,
             "futures_pending": self.futures_pending,
+            "copy_jobs": len(self._jobs),
             "inflight_keys": len(self._inflight_keys),
         }
 
@@ -233,24 +346,37 @@ class SaveTracker:
         return out
 
     def close(self, timeout: float = 5.0) -> None:
-        """Let running saves finish for up to ``timeout``, then cancel the rest and return their buffers."""
+        """Let running saves finish for up to ``timeout``, then cancel the rest and return their buffers.
+
+        Copies already posted still run (their puts are not started once the grace period is over); the
+        copy thread is joined last.
+        """
         if self._closed:
             return
         self._closed = True
         self.wait(list(self._requests), timeout)
+        self._cancelling = True
+        deadline = time.monotonic() + timeout
         for save in self._queued:
             self._complete(save, Failure.STORE_ERROR, "tracker closed before the save started")
         self._queued.clear()
-        for batch in self._batches:
-            with contextlib.suppress(RuntimeClosed):
-                self.runtime.call_soon(_cancel_on_loop, batch)
-        deadline = time.monotonic() + timeout
-        while (self.futures_pending or self.events_out) and time.monotonic() < deadline:
+        self._touch.clear()
+        cancelled: set[_Batch] = set()
+        while True:
             self._progress()
+            for batch in self._batches - cancelled:
+                cancelled.add(batch)
+                with contextlib.suppress(RuntimeClosed):
+                    self.runtime.call_soon(_cancel_on_loop, batch)
+            if not (self.futures_pending or self.events_out or self._jobs):
+                break
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.001)
-        self._progress()
         self._finished.clear()
         self._requests.clear()
+        if self._thread is not None and not self._thread.close(max(deadline - time.monotonic(), 0.1)):
+            log.warning("SaveTracker.close: the copy thread is still running a job")
         if self.buffers_out:
             log.warning(
                 "SaveTracker.close: %d staging buffers still out after %.1fs", self.buffers_out, timeout
@@ -259,12 +385,20 @@ class SaveTracker:
     # -- worker side -----------------------------------------------------------------------------------
     def _progress(self) -> None:
         while self._done:
-            self._on_batch_done(self._done.popleft())
+            item = self._done.popleft()
+            if isinstance(item, _Job):
+                self._on_job_done(item)
+            else:
+                self._on_batch_done(item)
         while self._queued and self._snapshot(self._queued[0]):
             self._queued.popleft()  # buffers returned by finished batches: snapshot the queued saves
         self._handoff()
 
     def _handoff(self) -> None:
+        if self._thread is not None:
+            if self._step or self._touch:
+                self._post_job()
+            return
         while self._copying and self._copying[0].event is not None and self._copying[0].event.query():
             save = self._copying.popleft()
             self.events_out -= 1
@@ -275,11 +409,9 @@ class SaveTracker:
             self._start_batch(staged[start : start + self.put_batch])
 
     def _snapshot(self, save: _Save) -> bool:
-        """Copy the tensor into staging; False when no buffer is free now (the save stays queued)."""
-        tensor = save.tensor
-        assert tensor is not None
+        """Take a staging buffer and copy (or stage the copy); False when no buffer is free now."""
         try:
-            buf = self.pool.acquire(tensor.numel() * tensor.element_size())
+            buf = self.pool.acquire(save.nbytes())
         except PoolTooSmall as exc:
             self._complete(save, Failure.TOO_LARGE, str(exc))
             return True
@@ -287,12 +419,17 @@ class SaveTracker:
             return False
         save.buf = buf
         self.buffers_out += 1
+        if self._thread is not None:
+            self._step.append(save)  # copied by the next job
+            return True
+        tensor = save.source
+        assert isinstance(tensor, torch.Tensor)
         try:
             save.event = self.device.copy([(save.staging(), tensor)], after=save.producer)
         except RuntimeError as exc:  # torch refused the copy (device error)
             self._complete(save, Failure.DEVICE_ERROR, f"{type(exc).__name__}: {exc}")
             return True
-        save.tensor = None
+        save.source = None
         save.producer = None
         self.events_out += 1
         if not self._copying and save.event.query():
@@ -302,6 +439,33 @@ class SaveTracker:
         else:
             self._copying.append(save)
         return True
+
+    def _post_job(self) -> None:
+        assert self._thread is not None
+        job = _Job(self._step, self._touch)
+        self._step, self._touch = [], []
+        try:
+            self._thread.post(functools.partial(self._run_job, job))
+        except TransferError as exc:  # the copy thread is closed: only after close()
+            for save in job.saves:
+                self._complete(save, Failure.DEVICE_ERROR, str(exc))
+            return
+        self._jobs.append(job)
+
+    def _on_job_done(self, job: _Job) -> None:
+        first = self._jobs.popleft()
+        assert first is job, "copy jobs are reported in the order they were posted"
+        for save, detail in job.failed:
+            self._complete(save, Failure.DEVICE_ERROR, detail)
+        for batch in job.batches:
+            if batch.error is not None:
+                reason, detail = batch.error
+                log.warning("%d saves failed, %s: %s", len(batch.saves), reason, detail)
+                for save in batch.saves:
+                    self._complete(save, reason, detail, quiet=True)
+            else:
+                self.futures_pending += 1
+                self._batches.add(batch)
 
     def _start_batch(self, saves: list[_Save]) -> None:
         batch = _Batch(saves)
@@ -349,7 +513,7 @@ class SaveTracker:
             self.pool.release(save.buf)
             save.buf = None
             self.buffers_out -= 1
-        save.tensor = None
+        save.source = None
         self._inflight_keys.discard(save.key)
         if failure is not None:
             self.failures[failure] += 1
@@ -381,6 +545,49 @@ class SaveTracker:
         while len(self._recent) > self.recent_keys:
             self._recent.popitem(last=False)
 
+    # -- copy thread -----------------------------------------------------------------------------------
+    def _run_job(self, job: _Job) -> None:
+        """Evaluate, copy into staging, submit the puts; then report the job to the worker.
+
+        Runs on the copy thread. It touches only the job, its saves (owned by the job until reported) and
+        the thread-safe runtime and deque; the worker learns everything from the job object.
+        """
+        for _, lazy in job.touch:
+            # The gather behind a queued save, run while its memory is valid; a failure here comes back as
+            # that save's own copy failure later.
+            with contextlib.suppress(Exception):
+                lazy()
+        ok: list[_Save] = []
+        for save in job.saves:
+            source, save.source = save.source, None
+            try:
+                assert source is not None
+                tensor = source if isinstance(source, torch.Tensor) else source()
+                self.device.copy([(save.staging(), tensor)])
+            except Exception as exc:  # a device error, or a lazy source that could not be computed
+                job.failed.append((save, f"{type(exc).__name__}: {exc}"))
+            else:
+                ok.append(save)
+        for start in range(0, len(ok), self.put_batch):
+            batch = _Batch(ok[start : start + self.put_batch])
+            job.batches.append(batch)
+            if self._cancelling:
+                batch.error = (Failure.STORE_ERROR, "tracker closed before the put started")
+                continue
+            try:
+                batch.future = self.runtime.submit(self._put_batch(batch))
+            except RuntimeClosed as exc:
+                batch.error = (Failure.STORE_ERROR, f"runtime closed: {exc}")
+            except Exception as exc:  # anything else must still come back as a failure, never a lost job
+                batch.error = classify(exc)
+        # The job goes on the deque before any of its batches can (their callbacks are added after), so the
+        # worker always registers a batch before it sees the batch done.
+        self._done.append(job)
+        job.finish()
+        for batch in job.batches:
+            if batch.future is not None:
+                batch.future.add_done_callback(functools.partial(_enqueue, self._done, batch))
+
     # -- loop side -------------------------------------------------------------------------------------
     async def _put_batch(self, batch: _Batch) -> list[bool]:
         """Write the staged tensors that the store lacks; per save, True if it was already there.
@@ -408,7 +615,7 @@ def _cancel_on_loop(batch: _Batch) -> None:
         batch.task.cancel()
 
 
-def _enqueue(queue: collections.deque[_Batch], batch: _Batch, _future: object) -> None:
+def _enqueue(queue: collections.deque[_Batch | _Job], batch: _Batch, _future: object) -> None:
     """The batch future's done-callback, on the loop thread once the put task has really ended: hand the
     batch to the worker (``deque.append`` is thread-safe), which drains the deque instead of scanning."""
     queue.append(batch)

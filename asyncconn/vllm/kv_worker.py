@@ -16,8 +16,9 @@ forward that could read them. A request is reported in ``finished_recving`` once
 blocks whose value failed (miss, corrupt, timeout, dead store, deadline) are reported the same step through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them.
 
-Saves: ``wait_for_save`` gathers the step's planned values from the cache (one gather per layer) and
-submits each to the :class:`SaveTracker` (a snapshot, no I/O), flushes, and returns. A request the
+Saves: ``wait_for_save`` submits the step's planned values to the :class:`SaveTracker` as slices of one
+gather over the cache (one ``index_select`` per layer) -- evaluated lazily on the tracker's copy thread on
+CPU, here on CUDA -- flushes, and returns; no copy and no store I/O on vLLM's thread. A request the
 scheduler kept alive for its saves (see :mod:`asyncconn.vllm.kv_scheduler`) is reported in
 ``finished_sending`` once vLLM has finished it and its saves are done; one finished while loading is
 reported in ``finished_recving`` once its loads are cancelled, so nothing writes its blocks any more.
@@ -26,9 +27,10 @@ reported in ``finished_recving`` once its loads are cancelled, so nothing writes
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +39,7 @@ from asyncconn.exceptions import AsyncConnError, ConfigError, RuntimeClosed
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, Failure, LoadResult, NewTensor, SaveTracker, StreamLoader
+from asyncconn.transfer.lazy import LazyTensor, Shared, Slice
 from asyncconn.vllm.kv_keys import KeySpace
 from asyncconn.vllm.kv_meta import AsyncConnKVMetadata, AsyncConnKVStats, ValueRef
 
@@ -131,6 +134,7 @@ class KVWorkerSide:
         self.load_timeout = load_timeout
         self.preempt_timeout = preempt_timeout
         self.caches: dict[str, torch.Tensor] = {}
+        self._layer_caches: list[tuple[torch.Tensor, int]] = []  # (cache, KV cache group) per layer, in order
         self.layout: LayerLayout | None = None
         self._fetches: dict[str, _Fetch] = {}  # store key -> waiting targets
         self._req_loads: dict[str, _ReqLoad] = {}  # request id -> its load, until reported
@@ -147,6 +151,7 @@ class KVWorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layout = LayerLayout.detect(kv_caches, self.layers, self.num_blocks)
         self.caches = {name: kv_caches[name] for name in self.layers}
+        self._layer_caches = [(self.caches[n], self.group_of_layer[n]) for n in self.layers]
 
     def set_rank(self, rank: int) -> None:
         """This worker's TP rank (vLLM's TP group when initialized; simulators set it here)."""
@@ -267,46 +272,67 @@ class KVWorkerSide:
 
     # -- saves -----------------------------------------------------------------------------------------
     def save(self, meta: AsyncConnKVMetadata) -> None:
-        """``wait_for_save``: snapshot this step's values into the save tracker, hand them off, return.
+        """``wait_for_save``: hand this step's values to the save tracker, flush, return.
 
-        One gather per layer for the whole step (not one per value): the values are then views of a single
-        stacked tensor, each snapshotted by the tracker. Nothing here waits for the store.
+        One gather per layer for the whole step (not one per value): each value is a slice of a single
+        stacked tensor. With the tracker's copy thread (CPU) the gather itself is lazy -- a :class:`Shared`
+        the copy thread evaluates, then copies each :class:`Slice` into staging -- so vLLM's thread only
+        names the blocks; on CUDA it is gathered here on the current stream (kernel launches) and snapshotted
+        by a D2H on the tracker's side stream. Nothing here waits for the store.
         """
         if meta.saves:
             assert self.layout is not None, "register_kv_caches was not called"
-            dim = self.layout.block_dim
-            bpv = self.keys.blocks_per_value
             refs = [(spec.request_id, ref) for spec in meta.saves for ref in spec.values]
-            device = self.caches[self.layers[0]].device
-            ids = [
-                torch.tensor(
-                    [b for _, ref in refs for b in ref.block_ids[g]], dtype=torch.int64, device=device
-                )
-                for g in range(len(refs[0][1].block_ids))
-            ]
-            stacked = torch.stack(
-                [self.caches[n].index_select(dim, ids[self.group_of_layer[n]]) for n in self.layers]
+            values: Sequence[torch.Tensor | LazyTensor] = (
+                self._lazy_values(refs) if self.saver.copy_thread is not None else self._gather(refs)
             )
             now = time.monotonic()
-            for i, (rid, ref) in enumerate(refs):
+            saved = 0
+            for (rid, ref), value in zip(refs, values, strict=True):
                 self._had_saves.add(rid)
-                value = stacked.narrow(dim + 1, i * bpv, bpv)
                 if self.saver.submit(rid, self.keys.store_key(ref.value_hash, self.rank), value):
                     self._save_t0.setdefault(rid, now)
-                    self._stats.add("saves")
-                    self._stats.add("tokens_saved", self.keys.tokens_per_value)
-                else:
-                    self._stats.add("saves_skipped")
+                    saved += 1
+            if saved:
+                self._stats.add("saves", saved)
+                self._stats.add("tokens_saved", saved * self.keys.tokens_per_value)
+            if saved < len(refs):
+                self._stats.add("saves_skipped", len(refs) - saved)
         self.saver.flush()
+
+    def _block_ids(self, refs: list[tuple[str, ValueRef]]) -> list[list[int]]:
+        """The step's block ids per KV cache group, value after value."""
+        return [[b for _, ref in refs for b in ref.block_ids[g]] for g in range(len(refs[0][1].block_ids))]
+
+    def _gather(self, refs: list[tuple[str, ValueRef]]) -> list[torch.Tensor]:
+        assert self.layout is not None
+        dim, bpv = self.layout.block_dim, self.keys.blocks_per_value
+        stacked = _gather_layers(self._layer_caches, self._block_ids(refs), dim)
+        return [stacked.narrow(dim + 1, i * bpv, bpv) for i in range(len(refs))]
+
+    def _lazy_values(self, refs: list[tuple[str, ValueRef]]) -> list[Slice]:
+        assert self.layout is not None
+        dim, bpv = self.layout.block_dim, self.keys.blocks_per_value
+        shared = Shared(functools.partial(_gather_layers, self._layer_caches, self._block_ids(refs), dim))
+        shape, dtype = self._value_shape(), self.layout.dtype
+        return [Slice(shared, dim + 1, i * bpv, bpv, shape, dtype) for i in range(len(refs))]
 
     def handle_preemptions(self, meta: AsyncConnKVMetadata) -> None:
         """The preempted requests' blocks are reused by this step: wait until no save still reads them.
 
-        On the CPU device a snapshot is taken synchronously inside ``submit``, so nothing reads the blocks
-        afterwards and there is nothing to wait for. On CUDA the snapshot is an asynchronous D2H, and the
-        save tracker only tells when a request's saves are done, so this waits for those saves, bounded.
+        With the save tracker's copy thread (CPU) only the copies still pending for those requests are
+        waited for (their puts read staging, not the blocks), bounded by ``preempt_timeout``. With the
+        synchronous CPU device the snapshot was taken inside ``submit``: nothing to wait for. On CUDA the
+        snapshot is an asynchronous D2H and the tracker tells only when a request's saves are done, so this
+        waits for those saves, bounded.
         """
-        if not meta.preempted or isinstance(self.saver.device, CpuDevice):
+        if not meta.preempted:
+            return
+        if self.saver.copy_thread is not None:
+            if not self.saver.wait_snapshots(meta.preempted, self.preempt_timeout):
+                log.warning("KV snapshots of preempted requests %s still running", sorted(meta.preempted))
+            return
+        if isinstance(self.saver.device, CpuDevice):
             return
         busy = [rid for rid in meta.preempted if self.saver.pending(rid)]
         if busy:
@@ -409,3 +435,12 @@ class KVWorkerSide:
                 concurrent.futures.TimeoutError,
             ) as exc:  # never raise into vLLM's teardown
                 log.warning("KV connector: closing the store failed: %s", exc)
+
+
+def _gather_layers(
+    caches: list[tuple[torch.Tensor, int]], block_ids: list[list[int]], dim: int
+) -> torch.Tensor:
+    """``[num_layers, *layer_shape]`` with the block dimension holding ``block_ids`` (per group), stacked."""
+    device = caches[0][0].device
+    ids = [torch.tensor(group, dtype=torch.int64, device=device) for group in block_ids]
+    return torch.stack([cache.index_select(dim, ids[group]) for cache, group in caches])

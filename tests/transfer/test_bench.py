@@ -20,10 +20,12 @@ def test_bench_transfer_json_reports_cpu_figures(capsys: pytest.CaptureFixture[s
     assert loader["loads"] == 20 and loader["value_bytes"] == 4096
     for key in ("loader_loads_per_s", "gather_loads_per_s", "submit_p99_us", "poll_us_per_result_p50"):
         assert loader[key] > 0
-    assert saver["saves"] == 64 and saver["put_latency_ms"] == 5.0
-    for key in ("submit_p50_us", "submit_p99_us", "flush_p99_us", "tracker_saves_per_s_no_latency"):
-        assert saver[key] > 0
-    assert saver["request_reported_after_ms_p50"] >= 5.0  # a put cannot be reported before the store answers
+    assert saver["copy_thread"] and not result["saver_cpu_sync"]["copy_thread"]  # both modes, one run
+    for saver in (result["saver_cpu"], result["saver_cpu_sync"]):
+        assert saver["saves"] == 64 and saver["put_latency_ms"] == 5.0
+        for key in ("submit_p50_us", "submit_p99_us", "flush_p99_us", "tracker_saves_per_s_no_latency"):
+            assert saver[key] > 0
+        assert saver["request_reported_after_ms_p50"] >= 5.0  # not reported before the store answers
     if not result["machine"]["cuda"]:
         assert result["gpu"].startswith("not run")
 
@@ -32,7 +34,9 @@ def test_bench_transfer_human_output(capsys: pytest.CaptureFixture[str]) -> None
     argv = ["bench", "transfer", "--loads", "5", "--saves", "8", "--save-batch", "4", "--repeat", "1"]
     assert main([*argv, "--put-latency", "1ms", "--load-size", "1KiB", "--save-size", "1KiB"]) == 0
     out = capsys.readouterr().out
-    assert "loader_cpu:" in out and "saver_cpu:" in out and "submit_p99_us" in out
+    assert (
+        "loader_cpu:" in out and "saver_cpu:" in out and "saver_cpu_sync:" in out and "submit_p99_us" in out
+    )
 
 
 @pytest.mark.parametrize("bad", [["--repeat", "0"], ["--loads", "-3"], ["--save-size", "lots"]])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 import torch
 
 from asyncconn import codec
@@ -23,7 +24,8 @@ async def _other_tasks() -> int:
     return sum(1 for t in asyncio.all_tasks() if t is not current)
 
 
-def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime) -> None:
+@pytest.mark.parametrize("copy_thread", [True, False], ids=["copy-thread", "sync"])
+def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime, copy_thread: bool) -> None:
     rng = random.Random(4)
     store = TensorStore(MemoryBackend(), timeout=5.0)
     values = {f"v{i}": torch.randn(8, 4) for i in range(8)}
@@ -35,7 +37,9 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime) -> Non
     # One pool, small enough that back-pressure happens: both engines draw from it, as on a worker.
     pool = PinnedPool(64 * 4096, device=CpuDevice())
     loader = StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=pool, max_inflight=32)
-    tracker = SaveTracker(store, runtime=runtime, device=CpuDevice(), pool=pool, recent_keys=256)
+    tracker = SaveTracker(
+        store, runtime=runtime, device=CpuDevice(), pool=pool, recent_keys=256, copy_thread=copy_thread
+    )
     cache = torch.zeros(16, 8, 4)
     outcomes: dict[str, int] = {}
     reported: set[str] = set()
@@ -115,6 +119,7 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime) -> Non
         "buffers_out": 0,
         "events_out": 0,
         "futures_pending": 0,
+        "copy_jobs": 0,
         "inflight_keys": 0,
     }
     assert pool.buffers_out == 0 and pool.bytes_out == 0
@@ -127,3 +132,4 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime) -> Non
     assert pool.refusals > 0  # back-pressure happened along the way
     loader.close()
     tracker.close()
+    assert tracker.copy_thread is None or not tracker.copy_thread.alive

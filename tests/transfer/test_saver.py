@@ -1,4 +1,7 @@
-"""SaveTracker on the CPU device: deferred puts, per-request completion, duplicates, failures, wait, leaks."""
+"""SaveTracker on the CPU device: deferred puts, per-request completion, duplicates, failures, wait, leaks.
+
+Every test runs twice: with the tracker's copy thread (the CPU default) and with synchronous snapshots
+(``copy_thread=False``, the flow CUDA uses with events)."""
 
 from __future__ import annotations
 
@@ -13,9 +16,24 @@ from backends.memory import MemoryBackend
 from tests.transfer.fakes import GatedBackend
 from tests.transfer.helpers import drain_saves, same_bytes
 
+_MODE = {"copy_thread": True}
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["copy-thread", "sync"])
+def copy_thread(request: pytest.FixtureRequest) -> bool:
+    _MODE["copy_thread"] = bool(request.param)
+    return _MODE["copy_thread"]
+
 
 def make_tracker(store: TensorStore, runtime: Runtime, capacity: int = 1 << 22, **kw: object) -> SaveTracker:
-    return SaveTracker(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(capacity), **kw)  # type: ignore[arg-type]
+    return SaveTracker(
+        store,
+        runtime=runtime,
+        device=CpuDevice(),
+        pool=PinnedPool(capacity),
+        copy_thread=_MODE["copy_thread"],
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def assert_idle(tracker: SaveTracker) -> None:
@@ -25,6 +43,7 @@ def assert_idle(tracker: SaveTracker) -> None:
         "buffers_out": 0,
         "events_out": 0,
         "futures_pending": 0,
+        "copy_jobs": 0,
         "inflight_keys": 0,
     }
     assert tracker.pool.buffers_out == 0
@@ -56,12 +75,16 @@ def test_saves_are_deferred_and_reported_once_per_request(runtime: Runtime, gate
     assert_idle(tracker)
 
 
-def test_submit_snapshots_the_tensor(runtime: Runtime, gated: GatedBackend) -> None:
+def test_submit_snapshots_the_tensor(runtime: Runtime, gated: GatedBackend, copy_thread: bool) -> None:
     store = TensorStore(gated)
     tracker = make_tracker(store, runtime)
     value = torch.ones(16)
     tracker.submit("r", "k", value)
-    value.fill_(-1.0)  # the caller reuses its memory right after submit
+    if copy_thread:  # the copy runs later, on the copy thread: the caller may write once it has run
+        assert tracker.wait_snapshots(["r"], timeout=5.0)
+    else:
+        assert tracker.wait_snapshots(["r"], timeout=0.0)  # synchronous: copied inside submit
+    value.fill_(-1.0)  # the caller reuses its memory
     runtime.call_soon(gated.gate.set)
     drain_saves(tracker, {"r"})
     back = stored(runtime, store, "k")
@@ -215,16 +238,16 @@ def test_close_cancels_hung_saves_and_returns_buffers(runtime: Runtime, gated: G
 def test_closed_runtime_fails_saves_without_raising(store: TensorStore) -> None:
     rt = Runtime(name="closed").start()
     rt.close()
-    tracker = SaveTracker(store, runtime=rt, device=CpuDevice(), pool=PinnedPool(1 << 16))
+    tracker = make_tracker(store, rt, capacity=1 << 16)
     tracker.submit("r", "k", torch.zeros(4))
-    assert tracker.poll_finished() == {"r"}
+    assert drain_saves(tracker, {"r"}) == {"r"}
     assert tracker.failures[Failure.STORE_ERROR] == 1
     assert_idle(tracker)
 
 
 def test_runtime_closing_mid_put_fails_the_saves_and_returns_buffers(gated: GatedBackend) -> None:
     rt = Runtime(name="closing").start()
-    tracker = SaveTracker(TensorStore(gated), runtime=rt, device=CpuDevice(), pool=PinnedPool(1 << 16))
+    tracker = make_tracker(TensorStore(gated), rt, capacity=1 << 16)
     tracker.submit("r", "k1", torch.zeros(4))
     tracker.submit("r", "k2", torch.zeros(4))
     tracker.flush()

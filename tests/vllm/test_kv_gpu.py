@@ -1,5 +1,6 @@
 """KV blocks saved from a ``[2, num_blocks, ...]`` (flash-attention) KV cache and loaded back into other
-blocks hold exactly the saved bytes, even though the source blocks are overwritten right after the save.
+blocks hold exactly the saved bytes, even though the source blocks are overwritten right after the save (and
+vLLM's ``handle_preemptions``, which precedes any reuse of a preempted request's blocks).
 On an NVIDIA GPU (``gpu`` marker, skipped without CUDA) through the side stream and pinned staging while the
 default stream keeps computing; the same test runs on the CPU device everywhere."""
 
@@ -57,7 +58,10 @@ def test_blocks_round_trip_through_the_store(where: str) -> None:
         saved = {n: c[:, 4:8].clone() for n, c in caches.items()}
         refs = tuple(ValueRef(hashes[v], (0, 1), ((4 + 2 * v, 5 + 2 * v),)) for v in range(2))
         worker.save(AsyncConnKVMetadata(saves=[SaveSpec("r1", refs)]))
-        for n in layers:  # the blocks are freed and rewritten right away: the snapshot must not see this
+        # r1 is preempted: vLLM calls handle_preemptions before this step reuses its blocks (CUDA: waits for
+        # the saves; CPU copy thread: for the pending snapshot copies only)
+        worker.handle_preemptions(AsyncConnKVMetadata(preempted=frozenset({"r1"})))
+        for n in layers:  # the blocks are rewritten right away: the snapshot must not see this
             caches[n][:, 4:8].zero_()
         sent: set[str] = set()
         deadline = time.monotonic() + 10
@@ -85,5 +89,7 @@ def test_blocks_round_trip_through_the_store(where: str) -> None:
             assert torch.equal(caches[n][:, 40:44], saved[n]), n
         worker.shutdown()
         assert not any(worker.counts().values())
+        copier = worker.saver.copy_thread  # CPU: the snapshots ran there; shutdown joined it
+        assert (copier is not None) == (where == "cpu") and (copier is None or not copier.alive)
     finally:
         runtime.close()
