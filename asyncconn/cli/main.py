@@ -18,6 +18,7 @@ __all__ = ["build_parser", "main"]
 
 # name -> (module, help)
 _COMMANDS: dict[str, tuple[str, str]] = {
+    "chaos": ("asyncconn.cli.chaos", "both connectors under injected faults, with invariant and leak checks"),
     "check": ("asyncconn.cli.check", "round-trip a tensor through a store and report latencies"),
     "demo": ("asyncconn.cli.demo", "run the end-to-end demo on an embedded store"),
     "lookup-server": ("asyncconn.cli.lookup_server", "serve Mooncake-framed lookups from a store over ZMQ"),

@@ -1,0 +1,88 @@
+"""The chaos run: both connectors on vLLM's real scheduler, a real redis-server and lookup server, faults.
+
+The first test is the claim (every invariant holds under every kind of fault, nothing leaks); the others
+show the harness can fail: a connector that writes wrong KV, and one that leaks a thread, are caught.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from asyncconn.chaos import ChaosConfig, run_chaos
+from asyncconn.chaos.faults import DATA_FAULTS, SERVER_FAULTS
+from asyncconn.cli.main import main
+
+
+def test_every_invariant_holds_under_every_kind_of_fault() -> None:
+    report = run_chaos(ChaosConfig(duration=25.0, seed=11, fault_interval=0.6))
+    assert report.violations == []
+    assert report.leaks == []
+    assert set(report.faults_injected) == set(SERVER_FAULTS + DATA_FAULTS), report.faults_injected
+    assert report.faults_healed == {k: v for k, v in report.faults_injected.items() if k in SERVER_FAULTS}
+    assert report.values_damaged > 0
+    assert report.requests >= 100 and report.finished["length"] >= 50
+    assert report.finished["abort"] > 0 and sum(report.aborted_at.values()) == report.finished["abort"]
+    assert report.embedding_rows_checked > 0 and report.kv_requests_loaded > 0 and report.kv_checks > 0
+    assert report.max_step_ms < 1000.0  # the step bound the report would have listed as a violation
+
+
+def test_wrong_kv_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: every loaded KV value is off by one. The harness must report it, not pass."""
+    from asyncconn.vllm import kv_worker
+
+    scatter = kv_worker.KVWorkerSide._scatter
+
+    def off_by_one(self: Any, value: torch.Tensor, ref: Any) -> None:
+        scatter(self, value + 1, ref)
+
+    monkeypatch.setattr(kv_worker.KVWorkerSide, "_scatter", off_by_one)
+    report = run_chaos(ChaosConfig(duration=6.0, seed=3, faults=()))
+    assert report.kv_requests_loaded > 0
+    assert any("KV of" in v for v in report.violations), report.violations[:3]
+    assert not report.ok
+
+
+def test_a_leaked_thread_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sabotage: the E connector starts a thread it never stops. The end-of-run census must see it."""
+    from asyncconn.vllm import ec_connector
+
+    stop = threading.Event()
+    original = ec_connector.AsyncConnECConnector.__init__
+
+    def leaky(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        threading.Thread(target=stop.wait, name="leaked-by-test", daemon=True).start()
+
+    monkeypatch.setattr(ec_connector.AsyncConnECConnector, "__init__", leaky)
+    try:
+        report = run_chaos(ChaosConfig(duration=2.0, seed=4, faults=()))
+    finally:
+        stop.set()
+    assert any("leaked-by-test" in leak for leak in report.leaks), report.leaks
+    assert report.violations == []
+
+
+def test_cli_prints_the_report_and_exits_by_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "chaos",
+                "--duration",
+                "3",
+                "--faults",
+                "corrupt,redis_pause",
+                "--fault-interval",
+                "0.5",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is True and data["requests"] > 0 and data["leaks"] == []
+    assert main(["chaos", "--faults", "meteor_strike"]) == 2
