@@ -4,7 +4,11 @@
 imports the lookup client, the stream loader and the save tracker directly and keeps vLLM's scheduler and
 worker free of store I/O. It is deliberately simpler: no prefetch before admission (an item found by the
 lookup is loaded when the scheduler installs it, waiting on the worker at most ``load_timeout``), and no
-E->PD race handling. Load it with::
+E->PD race handling. The cost of that simplicity, which ``AsyncConnECConnector`` does not pay: an item
+that cannot be loaded at install (store down or value corrupt between the lookup and the install) is missing
+from ``encoder_cache``, and vLLM fails the step ("Encoder cache miss"). ``AsyncConnECConnector`` only ever
+plans an item as loaded once every worker has staged it. Use this one to learn the API, not in production.
+Load it with::
 
     --ec-transfer-config '{"ec_connector": "LibraryECConnector",
                            "ec_connector_module_path": "examples.custom_connector",
@@ -95,7 +99,7 @@ class LibraryECConnector(ECConnectorBase):  # type: ignore[misc]
                 if result.ok and result.tensor is not None:
                     encoder_cache[mm_hash] = result.tensor
             time.sleep(0.0002)
-        for key in wanted:  # timed out: vLLM will fail the step for the missing item
+        for key in wanted:  # failed or timed out: vLLM fails the step for the missing item (see above)
             self.loader.cancel(key)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:

@@ -24,10 +24,11 @@ aborted     discarded; a late answer is    fetches cancelled, staging freed;   a
             never served                   blocks held until every worker
                                            reports the id once in
                                            ``finished_recving``
-preempted   discarded; the store is asked  cannot happen (a request waiting    CUDA: waited for, bounded by
-            again on re-admission          for KV is not running)              ``store_timeout``, in
-                                                                               ``handle_preemptions``; CPU:
-                                                                               snapshots are synchronous
+preempted   discarded; the store is asked  cannot happen (a request waiting    pending snapshot copies (CUDA
+            again on re-admission          for KV is not running)              stream or CPU copy thread)
+                                                                               waited for, bounded by
+                                                                               ``store_timeout``, in
+                                                                               ``handle_preemptions``
 ==========  =============================  ==================================  ==================================
 
 EC connector (``AsyncConnECConnector``; saves are per item, not per request):
@@ -41,9 +42,10 @@ or aborted                                 step that runs the model            `
                                                                                keeps the engine stepping until the
                                                                                item is seen in the store or
                                                                                ``arrival_timeout`` passes
-preempted   none outstanding for a         none across a step for a running    as above
-            running request; not asked     request; an evicted item is
-            anew on re-admission           re-encoded by vLLM
+preempted   none outstanding for a         items already staged stay valid;    as above
+            running request; installed     nothing is installed unless every
+            or missed items are looked     worker staged it, so an item lost
+            up again on re-admission       meanwhile is encoded, never missed
 ==========  =============================  ==================================  ==================================
 """
 
