@@ -220,14 +220,7 @@ class MooncakeMaster(ServerProcess):
         self.start()
 
     def stop(self) -> None:
-        self.resume()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        self._terminate()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -38,6 +38,7 @@ from asyncconn.chaos.checks import ProcessCensus, check_embeddings, check_kv, co
 from asyncconn.chaos.faults import DATA_FAULTS, SERVER_FAULTS, FaultInjector
 from asyncconn.chaos.procs import LookupServerProcess, RedisServer
 from asyncconn.runtime import get_runtime
+from asyncconn.vllm.ec_demo import capture_params
 
 __all__ = ["ChaosConfig", "ChaosReport", "run_chaos"]
 
@@ -256,7 +257,7 @@ def _drive(run: _Run, redis_server: RedisServer, lookup: LookupServerProcess) ->
             max_num_seqs=8,
             max_num_batched_tokens=256,
         )
-        run.params = _capture_params(engines["E"])
+        run.params = capture_params(engines["E"])
         for i in range(cfg.pd_engines):
             engines[f"PD{i}"] = EngineSim(
                 model,
@@ -519,21 +520,6 @@ def _final_figures(run: _Run, engines: dict[str, Any]) -> None:
         "EC items announced by E that never arrived, encoded": ec.get("arrival_timeouts", 0),
         "EC lookups that missed or failed, encoded": ec.get("lookup_misses", 0),
     }
-
-
-def _capture_params(sim: Any) -> dict[str, Any]:
-    """The proxy's view of E: what its scheduler returned from ``request_finished`` for each request."""
-    connector = sim.scheduler.ec_connector
-    original = connector.request_finished
-    seen: dict[str, Any] = {}
-
-    def spy(request: Any) -> tuple[bool, dict[str, Any] | None]:
-        delay, params = original(request)
-        seen[request.request_id] = params
-        return delay, params
-
-    connector.request_finished = spy
-    return seen
 
 
 def _stored_keys(control: redis.Redis) -> Sequence[str]:

@@ -24,7 +24,7 @@ from typing import Any
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
 
-__all__ = ["run_ec_demo"]
+__all__ = ["capture_params", "run_ec_demo"]
 
 _CLASS, _MODULE = "AsyncConnECConnector", "asyncconn.vllm"
 
@@ -59,7 +59,7 @@ def run_ec_demo(
             num_workers=pd_workers,
             max_num_seqs=8,
         )
-        params = _capture_params(e)
+        params = capture_params(e)
         delayed: list[bool] = []
         plan: dict[str, list[Any]] = {}
         prompt_len = 2 * rows + 24
@@ -156,7 +156,7 @@ def run_ec_demo(
             pd.close()
 
 
-def _capture_params(sim: Any) -> dict[str, Any]:
+def capture_params(sim: Any) -> dict[str, Any]:
     """The proxy's view: what E's scheduler returned from ``request_finished`` for each request."""
     connector = sim.scheduler.ec_connector
     original = connector.request_finished

@@ -9,6 +9,16 @@ import torch
 
 from asyncconn.transfer import LoadResult, SaveTracker, StreamLoader
 
+#: ``SaveTracker.counters()`` once every request is reported: nothing held.
+SAVER_IDLE = {
+    "requests": 0,
+    "queued": 0,
+    "buffers_out": 0,
+    "events_out": 0,
+    "futures_pending": 0,
+    "copy_jobs": 0,
+    "inflight_keys": 0,
+}
 HANG_GUARD = 10.0  # seconds: a test that needs this long has hung (not a performance assertion)
 
 

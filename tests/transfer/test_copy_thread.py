@@ -22,17 +22,9 @@ from asyncconn.transfer._device import DONE, CopyPairs, Event
 from asyncconn.transfer.copythread import CopyThread
 from asyncconn.transfer.lazy import Shared, Slice
 from tests.transfer.fakes import GatedBackend
-from tests.transfer.helpers import drain_saves, wait_until
+from tests.transfer.helpers import SAVER_IDLE, drain_saves, wait_until
 
-IDLE = {
-    "requests": 0,
-    "queued": 0,
-    "buffers_out": 0,
-    "events_out": 0,
-    "futures_pending": 0,
-    "copy_jobs": 0,
-    "inflight_keys": 0,
-}
+IDLE = SAVER_IDLE
 
 
 def make_tracker(store: TensorStore, runtime: Runtime, capacity: int = 1 << 20, **kw: object) -> SaveTracker:
@@ -73,7 +65,8 @@ def test_cpu_default_is_a_copy_thread_and_cuda_refuses_one(runtime: Runtime) -> 
 
 
 class _OtherDevice(TransferDevice):
-    """Stands for CUDA: any device that is not the CPU one (never asked to copy here)."""
+    """Stands for CUDA: any device that is not the CPU one (never asked to copy here). It cannot subclass
+    ``CpuDevice``: the tracker recognises the CPU by that class."""
 
     device = torch.device("cpu")
 

@@ -13,7 +13,7 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import BlockDest, CpuDevice, Failure, NewTensor, PinnedPool, SaveTracker, StreamLoader
 from backends.memory import MemoryBackend
-from tests.transfer.helpers import wait_until
+from tests.transfer.helpers import SAVER_IDLE, wait_until
 
 CYCLES = 10_000
 BATCH = 100
@@ -113,15 +113,7 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime, copy_t
     wait_until(saves_drained, "saves")
     assert reported == submitted_requests
     assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
-    assert tracker.counters() == {
-        "requests": 0,
-        "queued": 0,
-        "buffers_out": 0,
-        "events_out": 0,
-        "futures_pending": 0,
-        "copy_jobs": 0,
-        "inflight_keys": 0,
-    }
+    assert tracker.counters() == SAVER_IDLE
     assert pool.buffers_out == 0 and pool.bytes_out == 0
     assert pool.bytes_reserved <= pool.capacity
     assert runtime.run(_other_tasks()) == 0
