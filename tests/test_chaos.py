@@ -7,6 +7,7 @@ show the harness can fail: a connector that writes wrong KV, and one that leaks 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any
 
@@ -68,6 +69,7 @@ def test_a_leaked_thread_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cli_prints_the_report_and_exits_by_it(capsys: pytest.CaptureFixture[str]) -> None:
+    levels = {n: logging.getLogger(n).level for n in ("asyncconn", "backends", "vllm")}
     assert (
         main(
             [
@@ -86,3 +88,5 @@ def test_cli_prints_the_report_and_exits_by_it(capsys: pytest.CaptureFixture[str
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True and data["requests"] > 0 and data["leaks"] == []
     assert main(["chaos", "--faults", "meteor_strike"]) == 2
+    # It quiets the library's loggers while it runs and puts them back (later tests capture their records).
+    assert {n: logging.getLogger(n).level for n in levels} == levels

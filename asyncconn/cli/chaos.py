@@ -46,11 +46,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from asyncconn.chaos import ChaosConfig, run_chaos
 
-    # Faults make the connectors log every failed store call; a chaos run reports them as figures instead.
-    if args.verbose == 0:
-        logging.getLogger("asyncconn").setLevel(logging.ERROR)
-        logging.getLogger("backends").setLevel(logging.ERROR)
-        logging.getLogger("vllm").setLevel(logging.ERROR)
     config = ChaosConfig(
         duration=args.duration,
         max_requests=args.requests,
@@ -59,7 +54,17 @@ def run(args: argparse.Namespace) -> int:
         faults=kinds,
         concurrency=args.concurrency,
     )
-    report = run_chaos(config)
+    # Faults make the connectors log every failed store call; a chaos run reports them as figures instead.
+    # The levels are put back afterwards: the command may run inside a longer-lived process (the tests).
+    quiet = [] if args.verbose else [logging.getLogger(n) for n in ("asyncconn", "backends", "vllm")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        report = run_chaos(config)
+    finally:
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
     data = report.as_dict()
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
