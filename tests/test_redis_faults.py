@@ -8,6 +8,7 @@ no connection or task left behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 
@@ -396,6 +397,19 @@ async def _serve(reply: bytes) -> asyncio.Server:
     return await asyncio.start_server(handle, "127.0.0.1", 0)
 
 
+@contextlib.asynccontextmanager
+async def _served(reply: bytes) -> AsyncIterator[ChunkReader]:
+    """A :class:`ChunkReader` connected to :func:`_serve`'s server; both closed on the way out."""
+    server = await _serve(reply)
+    reader = _reader_for(server)
+    try:
+        yield reader
+    finally:
+        await reader.close()
+        server.close()
+        await server.wait_closed()
+
+
 def _reader_for(server: asyncio.Server) -> ChunkReader:
     port = server.sockets[0].getsockname()[1]
     loop = asyncio.get_running_loop()
@@ -417,30 +431,18 @@ def _reader_for(server: asyncio.Server) -> ChunkReader:
     ],
 )
 async def test_chunk_reader_rejects_bad_replies(reply: bytes, error: str) -> None:
-    server = await _serve(reply)
-    reader = _reader_for(server)
-    try:
+    async with _served(reply) as reader:
         with pytest.raises(BackendError, match=error):
             await reader.mget(["a", "b"], 1000)
         assert reader.counts() == (0, 0)
-    finally:
-        await reader.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_chunk_reader_parses_split_and_nil_replies() -> None:
     body = os.urandom(200_000)
-    server = await _serve(b"*3\r\n$-1\r\n$%d\r\n%s\r\n$0\r\n\r\n" % (len(body), body))
-    reader = _reader_for(server)
-    try:
+    async with _served(b"*3\r\n$-1\r\n$%d\r\n%s\r\n$0\r\n\r\n" % (len(body), body)) as reader:
         for _ in range(2):  # the second call reuses the pooled connection
             assert await reader.mget(["a", "b", "c"], len(body)) == [None, body, b""]
         assert reader.counts() == (1, 0)
-    finally:
-        await reader.close()
-        server.close()
-        await server.wait_closed()
     assert reader.counts() == (0, 0)
 
 
@@ -514,30 +516,18 @@ async def test_chunk_reader_server_closing_mid_reply_is_unavailable() -> None:
 # -- chunked writes over the raw connections -------------------------------------------------------------
 async def test_chunk_reader_execute_reads_past_oversized_replies() -> None:
     big = os.urandom(100_000)
-    server = await _serve(b"+OK\r\n+QUEUED\r\n*2\r\n$%d\r\n%s\r\n:3\r\n" % (len(big), big))
-    reader = _reader_for(server)
-    try:
+    async with _served(b"+OK\r\n+QUEUED\r\n*2\r\n$%d\r\n%s\r\n:3\r\n" % (len(big), big)) as reader:
         for _ in range(2):  # the connection stays usable: the big reply was read past, not left behind
             replies = await reader.execute([b"anything"], 3, 40)
             assert replies == [b"OK", b"QUEUED", SKIPPED, 3]
         assert reader.counts() == (1, 0)
-    finally:
-        await reader.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_chunk_reader_execute_error_reply_closes_the_connection() -> None:
-    server = await _serve(b"+OK\r\n-OOM command not allowed\r\n-EXECABORT discarded\r\n")
-    reader = _reader_for(server)
-    try:
+    async with _served(b"+OK\r\n-OOM command not allowed\r\n-EXECABORT discarded\r\n") as reader:
         with pytest.raises(ReplyError, match="OOM"):
             await reader.execute([b"MULTI", memoryview(b"...")], 3, 40)
         assert reader.counts() == (0, 0)
-    finally:
-        await reader.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_write_to_a_server_dropping_the_connection_is_unavailable() -> None:
