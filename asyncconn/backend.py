@@ -26,6 +26,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "Buffer",
     "Sink",
+    "sink_verifies",
     "StorageBackend",
     "Value",
     "available_schemes",
@@ -41,6 +42,17 @@ Buffer = bytes | bytearray | memoryview
 Value = Buffer | Sequence[Buffer]
 #: Receives consecutive pieces of a value as a direct read lands them (see ``StorageBackend.get_into``).
 Sink = Callable[[memoryview], None]
+
+
+def sink_verifies(sink: Sink | None) -> bool:
+    """Whether ``sink`` checks every byte it is fed against a checksum written with the value.
+
+    A sink says so with a true ``verifies_value`` attribute (``TensorStore``'s frame verifier does: the frame
+    checksum covers header and payload, so a torn or damaged read fails it). A backend whose own layout
+    carries a checksum only to catch such reads may then skip that pass; the read is still rejected, by
+    the caller, as a bad value instead of being retried by the backend.
+    """
+    return bool(getattr(sink, "verifies_value", False))
 
 
 def value_nbytes(value: Value) -> int:

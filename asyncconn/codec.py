@@ -391,6 +391,9 @@ class FrameVerifier:
 
     __slots__ = ("_hash", "_head", "_header", "_key", "_max_payload", "_out", "_seen")
 
+    #: Every byte fed is checked against the frame's checksum (see ``asyncconn.backend.sink_verifies``).
+    verifies_value = True
+
     def __init__(
         self, out: torch.Tensor, *, max_payload: int = DEFAULT_MAX_PAYLOAD, key: Key | None = None
     ) -> None:
@@ -426,6 +429,10 @@ class FrameVerifier:
         if piece.nbytes:
             self._hash.update(piece)
             self._seen += piece.nbytes
+
+    def __call__(self, piece: memoryview) -> None:
+        """A verifier is itself a backend ``Sink``."""
+        self.feed(piece)
 
     def finish(self) -> FrameHeader:
         header = self._header

@@ -147,7 +147,7 @@ class TensorStore:
         verifier = codec.FrameVerifier(out, max_payload=self.max_payload, key=key)
         try:
             length = await self._call(
-                self.backend.get_into(key, [memoryview(header_buf), payload], verifier.feed), "get"
+                self.backend.get_into(key, [memoryview(header_buf), payload], verifier), "get"
             )
             if length is None:
                 return Fetch.MISS

@@ -44,7 +44,7 @@ from typing import Any, ClassVar, TypeVar
 
 import xxhash
 
-from asyncconn.backend import Buffer, Sink, StorageBackend, Value
+from asyncconn.backend import Buffer, Sink, StorageBackend, Value, sink_verifies
 from asyncconn.exceptions import (
     BackendError,
     BackendNotInstalled,
@@ -455,9 +455,18 @@ class MooncakeBackend(StorageBackend):
 
 
 def _verify(targets: list[memoryview], digest: int, sink: Sink | None) -> bool:
-    """Whether ``targets`` hash to ``digest``; with a sink, each piece is handed to it right after hashing."""
+    """Whether ``targets`` hash to ``digest``; with a sink, each piece is handed to it right after hashing.
+
+    A sink that verifies the value itself (``TensorStore``'s frame verifier) gets the pieces unhashed: a
+    torn read fails its frame checksum instead, and this pass (~0.14 ms per 4 MiB) would only repeat it.
+    """
     if sink is None:
         return checksum(targets) == digest
+    if sink_verifies(sink):
+        for target in targets:
+            if target.nbytes:
+                sink(target)
+        return True
     h = xxhash.xxh3_64()
     for target in targets:
         for offset in range(0, target.nbytes, _PIECE):

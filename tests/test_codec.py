@@ -243,3 +243,16 @@ def test_verifier_checks_the_key_binding() -> None:
     with pytest.raises(FrameCorrupt):
         codec.decode_into_buffer(header + payload.tobytes(), dest, key="k2")
     assert codec.decode_into_buffer(header + payload.tobytes(), dest, key="k1").payload_len == 256
+
+
+def test_the_frame_verifier_is_a_verifying_sink() -> None:
+    """Backends may skip their own integrity pass for it (``asyncconn.backend.sink_verifies``)."""
+    from asyncconn.backend import sink_verifies
+
+    t = torch.randn(16)
+    header, payload = codec.encode_parts(t, key="k")
+    verifier = codec.FrameVerifier(torch.empty(16), key="k")
+    assert sink_verifies(verifier) and not sink_verifies(lambda piece: None) and not sink_verifies(None)
+    verifier(memoryview(header))
+    verifier(payload)
+    assert verifier.finish().shape == (16,)

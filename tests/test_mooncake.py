@@ -26,7 +26,7 @@ from asyncconn.exceptions import (
     BackendUnavailable,
     ConfigError,
 )
-from asyncconn.store import TensorStore
+from asyncconn.store import Fetch, TensorStore
 from backends._mooncake_layout import HEADER_SIZE, classify, code_name, pack_header, parse_header
 from backends.mooncake import MooncakeBackend
 from tests.servers_distributed import MooncakeMaster, find_mooncake_master
@@ -307,7 +307,8 @@ async def test_a_read_torn_by_a_racing_write_is_never_handed_on(
             codes: list[int] = self._real.batch_get_into_multi_buffers(keys, ptrs, sizes)
             if tears["left"]:
                 tears["left"] -= 1
-                ctypes.memset(ptrs[0][1] + 1000, 0xAB, 4096)  # a racing writer's bytes, mid-value
+                largest = max(range(len(sizes[0])), key=lambda i: sizes[0][i])  # the value, not a header
+                ctypes.memset(ptrs[0][largest] + 1000, 0xAB, 4096)  # a racing writer's bytes, mid-value
             return codes
 
     monkeypatch.setattr(backend, "_store", Tearing(backend._store))
@@ -325,6 +326,16 @@ async def test_a_read_torn_by_a_racing_write_is_never_handed_on(
         value
     )
     assert b"".join(fed) == value and len(fed) > 1  # handed on in pieces, in order
+    # TensorStore's frame verifier checks every byte itself, so the backend skips its own pass: a torn read
+    # then fails the frame checksum -- a corrupt miss, never a tensor.
+    store = TensorStore(backend, timeout=10)
+    tensor = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
+    await store.put([("t", tensor)])
+    out = torch.zeros_like(tensor)
+    tears["left"] = 1
+    assert await store.read_into("t", out) is Fetch.CORRUPT
+    assert tears["left"] == 0 and store.stats.corrupt == 1
+    assert await store.read_into("t", out) is Fetch.HIT and torch.equal(out, tensor)
 
 
 async def test_workers_start_lazily_and_a_withdrawn_call_never_runs() -> None:
