@@ -54,8 +54,12 @@ __all__ = ["ECScheduler", "ItemState"]
 
 log = logging.getLogger(__name__)
 
-#: How often PD looks again for an item E announced but that was not in the store yet.
+#: How soon PD looks again for an item E announced but that was not in the store yet; each further look
+#: waits twice as long, up to ARRIVAL_POLL_MAX_S. An item usually lands within milliseconds, so the first
+#: looks are quick; one that never lands (E's store went down) costs a few dozen lookups until
+#: ``arrival_timeout``, not one every few milliseconds. E polls its own unconfirmed saves the same way.
 ARRIVAL_POLL_S = 0.005
+ARRIVAL_POLL_MAX_S = 0.1
 #: How long an otherwise idle producer sleeps per step while its saves are unconfirmed.
 IDLE_YIELD_S = 0.0005
 _PUSH_PREFIX = "\x00push:"  # lookup ids of the producer's own save confirmations (never a request id)
@@ -88,6 +92,7 @@ class _Item:
     ordered: bool = False  # sent to the workers as a prefetch: they may hold a copy until told to drop it
     deadline: float = 0.0  # ARRIVING: give up (miss) after this
     next_poll: float = 0.0  # ARRIVING: look again after this
+    poll_interval: float = ARRIVAL_POLL_S  # ARRIVING: the wait before the next look (doubles each time)
 
 
 @dataclass(slots=True)
@@ -104,6 +109,7 @@ class _Push:
     deadline: float
     outstanding: bool = False
     next_poll: float = 0.0
+    poll_interval: float = ARRIVAL_POLL_S
 
 
 class ECScheduler:
@@ -328,7 +334,8 @@ class ECScheduler:
                     del self._pushing[mm_hash]
                     self.counts["saves_confirmed"] += 1
                     continue
-                push.next_poll = now + ARRIVAL_POLL_S
+                push.next_poll = now + push.poll_interval
+                push.poll_interval = min(push.poll_interval * 2, ARRIVAL_POLL_MAX_S)
             if now >= push.next_poll:
                 self.lookup.submit(lookup_id, [mm_hash])
                 push.outstanding = True
@@ -404,8 +411,9 @@ class ECScheduler:
             item = self._items[mm_hash]
             if item.state is ItemState.NEW:
                 item.state, item.owner = ItemState.LOOKUP, rid
-            else:  # ARRIVING: looked at again
-                item.next_poll = now + ARRIVAL_POLL_S
+            else:  # ARRIVING: looked at again, each time a little later
+                item.next_poll = now + item.poll_interval
+                item.poll_interval = min(item.poll_interval * 2, ARRIVAL_POLL_MAX_S)
         if self.settings.sync_lookup:  # operator's choice: block schedule() for the answer (bounded)
             self._apply(state, self.lookup.lookup_sync(rid, keys), now)
 
@@ -427,6 +435,7 @@ class ECScheduler:
                 item.state = ItemState.ARRIVING
                 item.deadline = now + self.settings.arrival_timeout
                 item.next_poll = now + ARRIVAL_POLL_S
+                item.poll_interval = 2 * ARRIVAL_POLL_S
             else:
                 self.counts["lookup_misses"] += 1
                 item.state = ItemState.MISS

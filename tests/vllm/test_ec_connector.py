@@ -579,13 +579,25 @@ def test_producer_saves_once_and_never_delays_the_free(make_sim: Any) -> None:
     assert params["a"] == {SAVING_PARAM: ["img-once"]}
     assert e.leak_check() == []
     worker = workers(e)[0]
-    assert worker.saver.saved == 1
+    # The scheduler saw the item in the store; the worker counts the finished put on its next poll.
+    assert settled_saver(worker, lambda saver: saver.saved == 1)
     assert sched(e).counts["saves_confirmed"] == 1
     e2 = make_sim(ec=spec("ec_producer", url))  # a second E: the store already has it
     e2.add_request("c", prompt(32), mm_items=[img])
     run(e2, pause=0.001)
-    assert workers(e2)[0].saver.skipped_existing == 1
+    assert settled_saver(workers(e2)[0], lambda saver: saver.skipped_existing == 1)
     assert workers(e2)[0].saver.saved == 0
+
+
+def settled_saver(worker: Any, done: Any) -> bool:
+    """Poll the worker's save tracker (as its next step would) until ``done(saver)``; a hang guard."""
+    deadline = time.monotonic() + 10
+    while not done(worker.saver):
+        if time.monotonic() > deadline:
+            return False
+        worker.saver.poll_finished()
+        time.sleep(0.001)
+    return True
 
 
 def test_consumer_ignores_save_caches(make_sim: Any) -> None:

@@ -505,3 +505,30 @@ def test_worker_reports_merge_per_worker() -> None:
     assert merged.ready == {"x": frozenset({"a", "b"}), "y": frozenset({"b"})}
     assert merged.failed == {"z": "miss"} and merged.counts == {"loaded": 3}
     assert a.ready == {"x": frozenset({"a"})}  # never merged in place
+
+
+def test_an_announced_item_that_never_lands_is_polled_with_backoff(runtime: Runtime, url: str) -> None:
+    """E said it is saving the item, but it never lands (E's store died): PD looks again sooner at first and
+    then ever later (5 ms doubling to 100 ms), so a 3 s wait costs a few dozen lookups, not 600."""
+    now = [100.0]
+    settings = Settings.from_extra_config({"backend_url": url, "arrival_timeout": "3s"})
+    lookup = open_lookup_client(LookupConfig(backend_url=url), EXISTS, runtime=runtime)
+    s = ECScheduler(settings, lookup, producer=False, consumer=True, clock=lambda: now[0])
+    try:
+        s.build_connector_meta(step(8))
+        req = request("r1", ("img-never", 0, 4), params={SAVING_PARAM: ["img-never"]})
+        assert wait_answer(s, req) is False and s.item_state("img-never") is ItemState.ARRIVING
+        while now[0] < 103.5 and s.item_state("img-never") is ItemState.ARRIVING:
+            now[0] += 0.001  # a 1 ms engine step
+            asked, answered = s.counts["lookups"], lookup.metrics.completed
+            admitted = s.ensure_cache_available(req, 0)
+            assert admitted is (s.item_state("img-never") is ItemState.MISS)  # True only once it gave up
+            deadline = time.monotonic() + 5  # a hang guard
+            while s.counts["lookups"] > asked and lookup.metrics.completed == answered:
+                assert time.monotonic() < deadline
+                time.sleep(0.0005)  # each look is a real store call: let the loop answer it
+        assert s.item_state("img-never") is ItemState.MISS  # gave up at the deadline: the encoder runs
+        assert s.counts["arrival_timeouts"] == 1
+        assert 10 <= s.counts["lookups"] <= 45, s.counts["lookups"]  # 3 s of 1 ms steps: ~35, never ~600
+    finally:
+        s.close()
