@@ -518,7 +518,6 @@ def _final_figures(run: _Run, engines: dict[str, Any]) -> None:
             v for k, v in ec.items() if k.startswith("load_failed")
         ),
         "EC items announced by E that never arrived, encoded": ec.get("arrival_timeouts", 0),
-        "EC lookups that missed or failed, encoded": ec.get("lookup_misses", 0),
     }
 
 
