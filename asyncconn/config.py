@@ -74,6 +74,9 @@ class Settings:
     lookup_max_pending: int = _opt(_positive_int, 100_000, "lookups outstanding at once; more are misses")
     sync_lookup: bool = _opt(parse_bool, False, "block in the scheduler until a lookup answers (not advised)")
     store_timeout: float = _opt(_positive_duration, 5.0, "bound on every store call (get, put, exists)")
+    connect_timeout: float = _opt(
+        _positive_duration, 10.0, "bound on connecting to the store (and lookup store) at engine start-up"
+    )
     load_timeout: float = _opt(_positive_duration, 10.0, "a load not on the device after this fails")
     pinned_pool_bytes: int = _opt(parse_size, 1 << 30, "pinned staging memory per worker, e.g. 1GiB")
     max_inflight_loads: int = _opt(_positive_int, 64, "loads fetched at once per worker")

@@ -73,12 +73,21 @@ class TensorStore:
         self.stats = StoreStats()
 
     @classmethod
-    async def open(cls, url: str | StoreURL, *, timeout: float = DEFAULT_TIMEOUT) -> TensorStore:
+    async def open(
+        cls, url: str | StoreURL, *, timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None
+    ) -> TensorStore:
+        """Connect and return a store whose calls are bounded by ``timeout``.
+
+        ``connect_timeout`` (default: ``timeout``) bounds only this first connection. Connectors open their
+        store while vLLM starts, where a short per-call bound chosen for the serving path would fail the
+        engine's start on a momentarily busy host.
+        """
         parsed = url if isinstance(url, StoreURL) else parse_url(url)
+        wait = timeout if connect_timeout is None else connect_timeout
         try:
-            backend = await asyncio.wait_for(open_backend(parsed), timeout)
+            backend = await asyncio.wait_for(open_backend(parsed), wait)
         except TimeoutError:
-            raise BackendTimeout(f"{redact(parsed.raw)}: could not connect within {timeout:g}s") from None
+            raise BackendTimeout(f"{redact(parsed.raw)}: could not connect within {wait:g}s") from None
         return cls(backend, timeout=timeout, name=redact(parsed.raw))
 
     async def put(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:

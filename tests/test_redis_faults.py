@@ -607,3 +607,19 @@ async def test_write_answered_with_a_nil_exec_is_a_backend_error() -> None:
         await backend.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_the_connect_bound_is_separate_from_the_call_bound() -> None:
+    """Connectors open their store while vLLM starts: a longer ``connect_timeout`` than the serving-path
+    ``timeout``, each reported by its own value."""
+    server = RedisServer().start()
+    try:
+        server.pause()
+        with pytest.raises(BackendTimeout, match=r"could not connect within 0\.3s"):
+            await TensorStore.open(server.url, timeout=0.1, connect_timeout=0.3)
+        server.resume()
+        store = await TensorStore.open(server.url, timeout=0.1, connect_timeout=5)
+        assert store.timeout == 0.1
+        await store.close()
+    finally:
+        server.stop()

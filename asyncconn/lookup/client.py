@@ -128,7 +128,9 @@ class LookupClient(Generic[R]):
         self._next_wid = 0  # loop thread
         self._timer: asyncio.TimerHandle | None = None  # loop thread
         self._closed = False
-        self._rt.run(transport.start(mode.kind, self._deliver), timeout=max(timeout, 5.0))
+        # A direct transport connects to its store here: give it its own connect bound (plus slack).
+        connect = getattr(transport, "connect_timeout", None) or 0.0
+        self._rt.run(transport.start(mode.kind, self._deliver), timeout=max(timeout, 5.0, connect + 1.0))
 
     # -- caller thread ---------------------------------------------------------------------------------
     def submit(self, request_id: str, keys: Sequence[Key]) -> None:

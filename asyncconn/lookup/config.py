@@ -36,12 +36,18 @@ class LookupConfig:
     max_pending: int = 100_000
     #: CURVE public key of the lookup server (Z85 text or a key/certificate file); None: no CURVE.
     server_key: str | None = None
+    #: Direct lookups: bound on connecting to the store when the client starts (None: ``timeout``).
+    connect_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not self.backend_url and not self.lookup_server:
             raise ConfigError("lookup: set backend_url (direct lookups) or lookup_server (a ZMQ endpoint)")
         if self.timeout <= 0:
             raise ConfigError(f"lookup: bad value {self.timeout!r} for 'lookup_timeout': must be > 0")
+        if self.connect_timeout is not None and self.connect_timeout <= 0:
+            raise ConfigError(
+                f"lookup: bad value {self.connect_timeout!r} for 'connect_timeout': must be > 0"
+            )
         if self.max_pending <= 0:
             raise ConfigError(f"lookup: bad value {self.max_pending!r} for 'lookup_max_pending': must be > 0")
 
@@ -55,6 +61,7 @@ class LookupConfig:
             key_prefix=settings.key_prefix,
             max_pending=settings.lookup_max_pending,
             server_key=settings.lookup_server_key,
+            connect_timeout=settings.connect_timeout,
         )
 
     @classmethod
@@ -74,8 +81,12 @@ class LookupConfig:
                 kwargs["timeout"] = parse_duration(extra["lookup_timeout"])
             if "lookup_max_pending" in extra:
                 kwargs["max_pending"] = int(extra["lookup_max_pending"])
+            if "connect_timeout" in extra:
+                kwargs["connect_timeout"] = parse_duration(extra["connect_timeout"])
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"lookup: bad lookup_timeout/lookup_max_pending: {exc}") from None
+            raise ConfigError(
+                f"lookup: bad lookup_timeout, lookup_max_pending or connect_timeout: {exc}"
+            ) from None
         return cls(**kwargs)
 
     def as_dict(self) -> dict[str, Any]:
@@ -88,7 +99,12 @@ class LookupConfig:
                 curve = CurveClientKeys(load_key(self.server_key, what="lookup_server_key"))
             return ZmqTransport(self.lookup_server, curve=curve)
         assert self.backend_url is not None
-        return DirectTransport(self.backend_url, key_prefix=self.key_prefix, timeout=self.timeout)
+        return DirectTransport(
+            self.backend_url,
+            key_prefix=self.key_prefix,
+            timeout=self.timeout,
+            connect_timeout=self.connect_timeout,
+        )
 
 
 def open_lookup_client(

@@ -98,8 +98,11 @@ class DirectTransport(LookupTransport):
         timeout: float = 5.0,
         max_batch_keys: int = 8192,
         own_store: bool | None = None,
+        connect_timeout: float | None = None,
     ) -> None:
         self._store_or_url = store
+        #: Bound on opening the store in :meth:`start` (None: ``timeout``).
+        self.connect_timeout = connect_timeout
         self._store: TensorStore | None = store if isinstance(store, TensorStore) else None
         self._own_store = own_store if own_store is not None else not isinstance(store, TensorStore)
         self._prefix = key_prefix
@@ -112,7 +115,9 @@ class DirectTransport(LookupTransport):
     async def start(self, kind: Kind, deliver: Deliver) -> None:
         if self._store is None:
             assert isinstance(self._store_or_url, str)
-            self._store = await TensorStore.open(self._store_or_url, timeout=self._timeout)
+            self._store = await TensorStore.open(
+                self._store_or_url, timeout=self._timeout, connect_timeout=self.connect_timeout
+            )
         self._kind, self._deliver = kind, deliver
 
     def send(self, batch: Batch) -> None:

@@ -96,8 +96,11 @@ class ECWorker:
         self._closed = False
 
     def _open_store(self) -> TensorStore:
-        timeout = self.settings.store_timeout
-        return self.runtime.run(TensorStore.open(self.settings.backend_url, timeout=timeout), timeout + 1.0)
+        settings = self.settings
+        opening = TensorStore.open(
+            settings.backend_url, timeout=settings.store_timeout, connect_timeout=settings.connect_timeout
+        )
+        return self.runtime.run(opening, settings.connect_timeout + 1.0)
 
     def key(self, mm_hash: str) -> str:
         """The store key of an item: the lookup client asks for exactly this (``store_key``)."""

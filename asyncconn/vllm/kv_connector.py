@@ -133,12 +133,16 @@ class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
         runtime = get_runtime()
         try:
             store = runtime.run(
-                TensorStore.open(settings.backend_url, timeout=settings.store_timeout),
-                timeout=settings.store_timeout + 1.0,
+                TensorStore.open(
+                    settings.backend_url,
+                    timeout=settings.store_timeout,
+                    connect_timeout=settings.connect_timeout,
+                ),
+                timeout=settings.connect_timeout + 1.0,
             )
         except concurrent.futures.TimeoutError:
             raise BackendTimeout(
-                f"{redact(settings.backend_url)}: not open after {settings.store_timeout:g}s"
+                f"{redact(settings.backend_url)}: not open after {settings.connect_timeout:g}s"
             ) from None
         device = default_device()
         pool = PinnedPool(settings.pinned_pool_bytes, device=device)

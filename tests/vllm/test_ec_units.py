@@ -532,3 +532,24 @@ def test_an_announced_item_that_never_lands_is_polled_with_backoff(runtime: Runt
         assert 10 <= s.counts["lookups"] <= 45, s.counts["lookups"]  # 3 s of 1 ms steps: ~35, never ~600
     finally:
         s.close()
+
+
+def test_workers_and_lookups_open_the_store_with_connect_timeout(
+    runtime: Runtime, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``connect_timeout`` (not the serving-path ``store_timeout``) bounds the start-up connection."""
+    seen: list[tuple[float, float | None]] = []
+    original = TensorStore.open.__func__  # type: ignore[attr-defined]
+
+    async def spy(cls: Any, url: str, *, timeout: float = 5.0, connect_timeout: float | None = None) -> Any:
+        seen.append((timeout, connect_timeout))
+        return await original(cls, url, timeout=timeout, connect_timeout=connect_timeout)
+
+    monkeypatch.setattr(TensorStore, "open", classmethod(spy))
+    worker = make_worker(runtime, url, store_timeout="200ms", connect_timeout="7s")
+    worker.close()
+    settings = Settings.from_extra_config(
+        {"backend_url": url, "lookup_timeout": "300ms", "connect_timeout": "7s"}
+    )
+    open_lookup_client(LookupConfig.from_settings(settings), EXISTS, runtime=runtime).close()
+    assert seen == [(0.2, 7.0), (0.3, 7.0)]
