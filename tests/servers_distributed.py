@@ -215,10 +215,6 @@ class MooncakeMaster(ServerProcess):
         path = Path(self.workdir) / "master.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
     def stop(self) -> None:
         self._terminate()
         shutil.rmtree(self.workdir, ignore_errors=True)

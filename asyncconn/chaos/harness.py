@@ -270,7 +270,6 @@ def _drive(run: _Run, redis_server: RedisServer, lookup: LookupServerProcess) ->
                 max_model_len=256,
                 kv_load_failure_policy="recompute",
             )
-            _tensor_parallel(engines[f"PD{i}"], cfg.pd_workers)
         injector = FaultInjector(
             rng=random.Random(cfg.seed + 1),
             runtime=runtime,
@@ -305,13 +304,6 @@ def _drive(run: _Run, redis_server: RedisServer, lookup: LookupServerProcess) ->
             sim.close()
         control.close()
         runtime.run(backend.close(), 10)
-
-
-def _tensor_parallel(sim: Any, size: int) -> None:
-    """Tell the KV connectors the TP layout: in-process workers have no vLLM TP group to read it from."""
-    sim.scheduler.connector.configure_tensor_parallel(size)
-    for worker in sim.workers:
-        worker.kv_connector.configure_tensor_parallel(size, worker.rank)
 
 
 def _loop(

@@ -59,6 +59,14 @@ class ServerProcess:
             assert self.proc is not None
             os.kill(self.proc.pid, signal.SIGCONT)
 
+    def start(self) -> ServerProcess:
+        raise NotImplementedError
+
+    def restart(self) -> None:
+        """Kill and start again on the same port (redis comes back empty: it keeps nothing on disk)."""
+        self.kill()
+        self.start()
+
     def kill(self) -> None:
         """SIGKILL (after a SIGCONT, so a frozen server dies too) and reap it."""
         if self.alive:
@@ -122,11 +130,6 @@ class RedisServer(ServerProcess):
         wait_port(self.port)
         return self
 
-    def restart(self) -> None:
-        """Kill and start again on the same port, empty (the server keeps nothing on disk)."""
-        self.kill()
-        self.start()
-
     def stop(self) -> None:
         self._terminate()
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -176,10 +179,6 @@ class LookupServerProcess(ServerProcess):
         except RuntimeError:
             self.kill()
             raise
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
 
     def stop(self) -> None:
         self._terminate()

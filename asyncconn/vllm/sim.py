@@ -176,6 +176,7 @@ class EngineSim:
                     self.workers[0].kv_connector, num_workers
                 )
             self._ec_aggregator = ECOutputAggregator()
+            self._tell_tensor_parallel(num_workers)
         self._block_hasher = _block_hasher(self.shape.block_size)
         self._known: set[str] = set()
         self.steps: list[StepRecord] = []
@@ -184,6 +185,20 @@ class EngineSim:
         self.tokens_computed: dict[str, int] = {}
         self._embeddings: dict[str, dict[str, torch.Tensor]] = {}
         self._closed = False
+
+    def _tell_tensor_parallel(self, size: int) -> None:
+        """In-process workers have no vLLM TP group to read their rank from: tell connectors that can be told
+        (``configure_tensor_parallel``, as asyncconn's KV connector offers), or every rank would act as 0."""
+        targets: list[tuple[Any, int | None]] = [(getattr(self.scheduler, "connector", None), None)]
+        targets += [(worker.kv_connector, worker.rank) for worker in self.workers]
+        for connector, rank in targets:
+            configure = getattr(connector, "configure_tensor_parallel", None)
+            if configure is None:
+                continue
+            if rank is None:
+                configure(size)
+            else:
+                configure(size, rank)
 
     # -- requests -------------------------------------------------------------------------------------
 

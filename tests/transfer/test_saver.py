@@ -14,7 +14,7 @@ from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, Failure, PinnedPool, SaveTracker
 from backends.memory import MemoryBackend
 from tests.transfer.fakes import GatedBackend
-from tests.transfer.helpers import drain_saves, same_bytes
+from tests.transfer.helpers import SAVER_IDLE, drain_saves, same_bytes
 
 _MODE = {"copy_thread": True}
 
@@ -37,15 +37,7 @@ def make_tracker(store: TensorStore, runtime: Runtime, capacity: int = 1 << 22, 
 
 
 def assert_idle(tracker: SaveTracker) -> None:
-    assert tracker.counters() == {
-        "requests": 0,
-        "queued": 0,
-        "buffers_out": 0,
-        "events_out": 0,
-        "futures_pending": 0,
-        "copy_jobs": 0,
-        "inflight_keys": 0,
-    }
+    assert tracker.counters() == SAVER_IDLE
     assert tracker.pool.buffers_out == 0
 
 

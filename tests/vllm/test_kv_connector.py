@@ -285,9 +285,6 @@ def test_tensor_parallel_two_workers(make_sim: Any) -> None:
 
     def tp_sim(**kw: Any) -> Any:
         sim = make_sim(kv=kv_spec(url), num_workers=2, **kw)
-        sim.scheduler.connector.configure_tensor_parallel(2)
-        for worker in sim.workers:
-            worker.kv_connector.configure_tensor_parallel(2, worker.rank)
         return sim
 
     sim = tp_sim()
@@ -412,9 +409,6 @@ def test_random_workload_with_aborts_and_preemptions(make_sim: Any, seed: int) -
             max_num_batched_tokens=96,
             kv_load_failure_policy="recompute",
         )
-        sim.scheduler.connector.configure_tensor_parallel(2)
-        for worker in sim.workers:
-            worker.kv_connector.configure_tensor_parallel(2, worker.rank)
         return sim
 
     for wave in range(2):
@@ -444,9 +438,6 @@ def test_tp_abort_after_one_rank_reported_its_load(make_sim: Any) -> None:
 
     def tp_sim() -> Any:
         sim = make_sim(kv=kv_spec(url), num_workers=2)
-        sim.scheduler.connector.configure_tensor_parallel(2)
-        for worker in sim.workers:
-            worker.kv_connector.configure_tensor_parallel(2, worker.rank)
         return sim
 
     sim = tp_sim()
