@@ -25,8 +25,10 @@ from asyncconn.url import Param, StoreURL, parse_url, redact
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Buffer",
+    "SelfChecked",
     "Sink",
     "sink_verifies",
+    "value_verifies",
     "StorageBackend",
     "Value",
     "available_schemes",
@@ -53,6 +55,23 @@ def sink_verifies(sink: Sink | None) -> bool:
     the caller, as a bad value instead of being retried by the backend.
     """
     return bool(getattr(sink, "verifies_value", False))
+
+
+class SelfChecked(tuple[Buffer, ...]):
+    """The chunks of a value whose own bytes carry a checksum over all of it (a ``TensorStore`` frame).
+
+    A writer hands a value in this wrapper to say "whoever reads this checks it": a backend whose layout
+    carries a checksum only to catch torn or damaged reads may then skip computing it on ``put`` (~0.03 ms
+    per MiB here), because every reader of such a value -- ``TensorStore`` -- rejects a bad frame itself.
+    Backends that ignore the hint see an ordinary sequence of chunks.
+    """
+
+    __slots__ = ()
+
+
+def value_verifies(value: Value) -> bool:
+    """Whether ``value`` was handed over as :class:`SelfChecked` (its readers verify it themselves)."""
+    return isinstance(value, SelfChecked)
 
 
 def value_nbytes(value: Value) -> int:

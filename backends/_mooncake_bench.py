@@ -7,7 +7,9 @@ timeouts and the thread hop included), on the *same* client (so both read from t
 operation at a time, on the project's runtime loop. Ratios are throughput, ours over raw (>1: faster).
 ``get_into`` of the raw client into a preallocated buffer is reported too, as the floor a zero-copy read can
 reach; then ours again with ``--clients`` operations in flight, against the same raw sequential figures.
-Prints one JSON object.
+Last, the connectors' pattern: ``--batch`` values of ``--batch-size`` saved in one ``TensorStore.put`` and
+loaded by as many concurrent ``get_into`` (as the save tracker and the loader issue them), against the raw
+client's ``upsert`` / ``get`` of the same values one after another. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -57,7 +59,48 @@ async def _concurrent(store: TensorStore, source: torch.Tensor, clients: int, co
     return out
 
 
-async def _bench(url: str, sizes: list[int], rounds: int, iterations: int, clients: int) -> dict[str, Any]:
+async def _batches(
+    store: TensorStore, raw: Any, count: int, size: int, rounds: int, iterations: int
+) -> dict[str, Any]:
+    """Batch put and concurrent gets of ``count`` values vs the raw client looping over them (p50 ms)."""
+    tag = uuid.uuid4().hex[:8]
+    sources = [torch.randint(0, 255, (size,), dtype=torch.uint8) for _ in range(count)]
+    payloads = [s.numpy().tobytes() for s in sources]
+    dests = [torch.empty_like(s) for s in sources]
+    keys = [f"batch-{tag}-{i}" for i in range(count)]
+    times: dict[str, list[float]] = {k: [] for k in ("raw_put", "put", "raw_get", "get")}
+    for _ in range(rounds * iterations // 4 or 1):
+        t = time.perf_counter()
+        for key, payload in zip(keys, payloads, strict=True):
+            assert raw.upsert(f"raw-{key}", payload) == 0
+        times["raw_put"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        await store.put(list(zip(keys, sources, strict=True)))
+        times["put"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for key in keys:
+            assert len(raw.get(f"raw-{key}")) == size
+        times["raw_get"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        got = await asyncio.gather(*(store.get_into(k, d) for k, d in zip(keys, dests, strict=True)))
+        times["get"].append(time.perf_counter() - t)
+        assert all(got)
+    assert all(torch.equal(d, s) for d, s in zip(dests, sources, strict=True))
+    await store.delete(keys)
+    raw.batch_remove([f"raw-{k}" for k in keys], True)
+    p50 = {k: _median_ms(v) for k, v in times.items()}
+    return {
+        "values": count,
+        "size": size,
+        "p50_ms": p50,
+        "put_vs_raw_put": p50["raw_put"] / p50["put"],
+        "get_vs_raw_get": p50["raw_get"] / p50["get"],
+    }
+
+
+async def _bench(
+    url: str, sizes: list[int], rounds: int, iterations: int, clients: int, batch: int, batch_size: int
+) -> dict[str, Any]:
     backend = await open_backend(url)
     assert isinstance(backend, MooncakeBackend)
     store = TensorStore(backend, timeout=30)
@@ -118,6 +161,7 @@ async def _bench(url: str, sizes: list[int], rounds: int, iterations: int, clien
                     / (size / p50["raw_get"] * 1e3 / 1e9),
                 }
             )
+        batches = await _batches(store, raw, batch, batch_size, rounds, iterations) if batch else None
     finally:
         await backend.close()
     return {
@@ -126,6 +170,7 @@ async def _bench(url: str, sizes: list[int], rounds: int, iterations: int, clien
         "iterations": iterations,
         "clients": clients,
         "sizes": results,
+        "batch": batches,
     }
 
 
@@ -136,11 +181,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--clients", type=int, default=4, help="operations in flight for the concurrent pass")
+    parser.add_argument("--batch", type=int, default=32, help="values per batch in the batch pass (0: skip)")
+    parser.add_argument("--batch-size", default="64KiB", help="size of each value in the batch pass")
     args = parser.parse_args()
     # On the project's runtime loop (uvloop when installed), as the connectors use it.
     runtime = Runtime(name="mooncake-bench").start()
     try:
-        coro = _bench(args.url, parse_sizes(args.sizes), args.rounds, args.iterations, args.clients)
+        (batch_size,) = parse_sizes(args.batch_size)
+        coro = _bench(
+            args.url,
+            parse_sizes(args.sizes),
+            args.rounds,
+            args.iterations,
+            args.clients,
+            args.batch,
+            batch_size,
+        )
         result = runtime.run(coro, timeout=3600)
     finally:
         runtime.close()

@@ -78,3 +78,21 @@ def mooncake_master() -> Iterator[object]:
         yield master
     finally:
         master.stop()
+
+
+@pytest.fixture
+def private_master() -> Iterator[object]:
+    """A mooncake_master of the test's own, for tests that freeze, kill or restart it (thawed and stopped
+    afterwards, whatever the test did). A missing extra fails, as for the session master."""
+    import mooncake.store  # noqa: F401
+
+    from tests.servers_distributed import MooncakeMaster, find_mooncake_master
+
+    if find_mooncake_master() is None:
+        pytest.fail("mooncake_master is not installed (pip install 'asyncconn[mooncake]')")
+    master = MooncakeMaster().start()
+    try:
+        yield master
+    finally:
+        master.resume()
+        master.stop()

@@ -12,7 +12,7 @@ import ctypes
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -27,24 +27,17 @@ from asyncconn.exceptions import (
     ConfigError,
 )
 from asyncconn.store import Fetch, TensorStore
-from backends._mooncake_layout import HEADER_SIZE, classify, code_name, pack_header, parse_header
-from backends.mooncake import MooncakeBackend
-from tests.servers_distributed import MooncakeMaster, find_mooncake_master
-
-
-@pytest.fixture
-def private_master() -> Iterator[MooncakeMaster]:
-    """A master of our own, for tests that freeze, kill or restart it."""
-    import mooncake.store  # noqa: F401  (installed by the README's test command; missing must fail)
-
-    if find_mooncake_master() is None:
-        pytest.fail("mooncake_master is not installed")
-    master = MooncakeMaster().start()
-    try:
-        yield master
-    finally:
-        master.resume()
-        master.stop()
+from backends._mooncake_layout import (
+    FLAG_SELF_CHECKED,
+    HEADER_SIZE,
+    checksum,
+    classify,
+    code_name,
+    pack_header,
+    parse_header,
+)
+from backends.mooncake import _GATHER_MIN, MooncakeBackend
+from tests.servers_distributed import MooncakeMaster
 
 
 @pytest.fixture
@@ -65,8 +58,11 @@ def _prefix() -> str:
 
 
 def test_header_round_trip_and_foreign_bytes() -> None:
-    assert parse_header(pack_header(0, 7)) == (0, 7) and parse_header(pack_header(5 << 30)) == (5 << 30, 0)
+    assert parse_header(pack_header(0, 7)) == (0, 7, 0)
+    assert parse_header(pack_header(5 << 30)) == (5 << 30, 0, 0)
+    assert parse_header(pack_header(9, flags=FLAG_SELF_CHECKED)) == (9, 0, FLAG_SELF_CHECKED)
     assert len(pack_header(1)) == HEADER_SIZE
+    assert parse_header(pack_header(3, flags=2)) is None  # a flag this build does not know
     assert parse_header(b"ACNF" + bytes(40)) is None  # a bare frame: not ours
     assert parse_header(pack_header(3)[:-1]) is None  # too short
     bumped = bytearray(pack_header(3))
@@ -175,6 +171,7 @@ async def test_frozen_master_times_out_and_a_cancelled_read_lets_go_of_the_buffe
         dest = bytearray(4096)
         task = asyncio.ensure_future(b.get_into("v", [memoryview(dest)]))
         await asyncio.sleep(0.1)
+        assert not task.done(), "the frozen master answered: pause() returned before it was stopped"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -203,20 +200,28 @@ async def test_master_killed_and_restarted_mid_run(private_master: MooncakeMaste
         await store.put(values.items())
         seen: list[str] = []
 
+        async def read(name: str) -> str:
+            out = torch.empty(10_000)
+            try:
+                if await store.get_into(name, out):
+                    assert torch.equal(out, values[name])  # a hit is always the whole value
+                    return "hit"
+                return "miss"
+            except BackendError as exc:
+                assert isinstance(exc, (BackendUnavailable, BackendTimeout)), exc
+                return "error"
+
         async def traffic() -> None:
             for round_ in range(60):
-                name = f"k{round_ % 8}"
+                # A single put and read, then a batch put (one batch_remove + one gathered insert) and
+                # concurrent reads (the first alone, the others coalesced into one request).
+                names = [f"k{round_ % 8}"] if round_ % 2 else [f"k{(round_ + i) % 8}" for i in range(4)]
                 try:
-                    await store.put([(name, values[name])])
-                    out = torch.empty(10_000)
-                    if await store.get_into(name, out):
-                        assert torch.equal(out, values[name])  # a hit is always the whole value
-                        seen.append("hit")
-                    else:
-                        seen.append("miss")
+                    await store.put([(name, values[name]) for name in names])
                 except BackendError as exc:
                     assert isinstance(exc, (BackendUnavailable, BackendTimeout)), exc
                     seen.append("error")
+                seen.extend(await asyncio.gather(*(read(name) for name in names)))
                 await asyncio.sleep(0.02)
 
         running = asyncio.ensure_future(traffic())
@@ -259,10 +264,11 @@ async def test_calls_run_on_a_bounded_pool(mooncake_master: MooncakeMaster) -> N
 
 
 async def test_large_puts_replace_from_caller_memory_and_small_ones_upsert(backend: MooncakeBackend) -> None:
-    """Values >= 1 MiB go by remove + gathered insert (no staging copy); they still replace, at any size."""
+    """Values >= 4 MiB go by remove + gathered insert (no staging copy); they still replace, at any size."""
     assert backend.gather_puts  # TCP
-    big = torch.randint(0, 255, (2 << 20,), dtype=torch.uint8)
-    for value in (big, big.flip(0), big[: 1 << 20].clone(), torch.zeros(3 << 20, dtype=torch.uint8)):
+    big = torch.randint(0, 255, (_GATHER_MIN,), dtype=torch.uint8)
+    small = big[: _GATHER_MIN // 2].clone()
+    for value in (big, big.flip(0), small, torch.zeros(_GATHER_MIN + 1, dtype=torch.uint8)):
         await backend.put([("g", [memoryview(value.numpy())])])
         (got,) = await backend.get(["g"])
         assert got is not None and b"".join(bytes(c) for c in got) == value.numpy().tobytes()
@@ -277,7 +283,7 @@ async def test_large_puts_replace_from_caller_memory_and_small_ones_upsert(backe
     # Through the tensor store (frame header read-only bytes + tensor payload), overwritten in place.
     store = TensorStore(backend, timeout=10)
     for fill in (1.0, 2.0):
-        t = torch.full((1 << 19,), fill)  # 2 MiB
+        t = torch.full((_GATHER_MIN // 4,), fill)  # gathered: frame header + payload
         await store.put([("frame", t)])
         out = torch.empty_like(t)
         assert await store.get_into("frame", out) and torch.equal(out, t)
@@ -290,7 +296,7 @@ async def test_a_read_torn_by_a_racing_write_is_never_handed_on(
     it, reported as a miss: the sink is never fed a torn value as if it were whole."""
     value = bytes(range(256)) * 4096  # 1 MiB
     await backend.put([("v", value)])
-    tears = {"left": 0}
+    tears = {"left": 0, "min_keys": 1}
 
     class Tearing:
         """The real client, except that a read's landed bytes are overwritten mid-value while tears last."""
@@ -305,7 +311,7 @@ async def test_a_read_torn_by_a_racing_write_is_never_handed_on(
             self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]
         ) -> list[int]:
             codes: list[int] = self._real.batch_get_into_multi_buffers(keys, ptrs, sizes)
-            if tears["left"]:
+            if tears["left"] and len(keys) >= tears["min_keys"]:
                 tears["left"] -= 1
                 largest = max(range(len(sizes[0])), key=lambda i: sizes[0][i])  # the value, not a header
                 ctypes.memset(ptrs[0][largest] + 1000, 0xAB, 4096)  # a racing writer's bytes, mid-value
@@ -336,6 +342,13 @@ async def test_a_read_torn_by_a_racing_write_is_never_handed_on(
     assert await store.read_into("t", out) is Fetch.CORRUPT
     assert tears["left"] == 0 and store.stats.corrupt == 1
     assert await store.read_into("t", out) is Fetch.HIT and torch.equal(out, tensor)
+    # In a coalesced request (the first read goes alone, the next two together): the torn one is re-read
+    # alone, and every reader gets the whole value.
+    await backend.put([(f"c{i}", value) for i in range(3)])
+    dests = [bytearray(len(value)) for _ in range(3)]
+    tears.update(left=1, min_keys=2)  # only a request of two keys or more: the batch's first key (c1)
+    got = await asyncio.gather(*(backend.get_into(f"c{i}", [memoryview(dests[i])]) for i in range(3)))
+    assert got == [len(value)] * 3 and tears["left"] == 0 and all(d == value for d in dests)
 
 
 async def test_workers_start_lazily_and_a_withdrawn_call_never_runs() -> None:
@@ -374,8 +387,8 @@ async def test_workers_start_lazily_and_a_withdrawn_call_never_runs() -> None:
 
 
 async def test_racing_gathered_writers_never_leave_a_torn_value(backend: MooncakeBackend) -> None:
-    """The contract suite's racing test, with writable 2 MiB values: the remove + gathered insert path."""
-    values = [torch.randint(0, 256, (2 << 20,), dtype=torch.uint8) for _ in range(4)]
+    """The contract suite's racing test, with writable 4 MiB values: the remove + gathered insert path."""
+    values = [torch.randint(0, 256, (_GATHER_MIN,), dtype=torch.uint8) for _ in range(4)]
     wanted = {v.numpy().tobytes() for v in values}
     seen: list[bytes] = []
 
@@ -384,7 +397,7 @@ async def test_racing_gathered_writers_never_leave_a_torn_value(backend: Mooncak
             await backend.put([("contested", [memoryview(v.numpy())])])
 
     async def reader(direct: bool) -> None:
-        dest = bytearray(2 << 20)
+        dest = bytearray(_GATHER_MIN)
         for _ in range(15):
             if direct:
                 if await backend.get_into("contested", [memoryview(dest)]) == len(dest):
@@ -399,3 +412,172 @@ async def test_racing_gathered_writers_never_leave_a_torn_value(backend: Mooncak
     (final,) = await backend.get(["contested"])
     assert final is not None and b"".join(bytes(c) for c in final) in wanted
     assert all(s in wanted for s in seen)
+
+
+async def test_frames_are_stored_self_checked_and_a_damaged_one_is_a_corrupt_miss(
+    backend: MooncakeBackend,
+) -> None:
+    """``TensorStore`` hands frames over as ``SelfChecked``: stored without a checksum of ours (the frame
+    has its own), while plain values keep it. A frame damaged in the store is still caught, by the reader."""
+    raw = backend._store
+    store = TensorStore(backend, timeout=10)
+    for size in (1 << 10, _GATHER_MIN):  # an upserted value and a gathered one
+        tensor = torch.randint(0, 255, (size,), dtype=torch.uint8)
+        key = f"sc{size}"
+        await store.put([(key, tensor)])
+        stored = bytes(raw.get(backend._key(key)))
+        header = parse_header(stored)
+        assert header is not None and header[1:] == (0, FLAG_SELF_CHECKED)
+        out = torch.empty_like(tensor)
+        assert await store.read_into(key, out) is Fetch.HIT and torch.equal(out, tensor)
+        (got,) = await store.get([key])
+        assert got is not None and torch.equal(got, tensor)
+        # One payload byte flipped in the store (a frame still claiming its old checksum): never a tensor.
+        damaged = bytearray(stored)
+        damaged[-1] ^= 0xFF
+        assert raw.upsert(backend._key(key), bytes(damaged)) == 0
+        corrupt = store.stats.corrupt
+        assert await store.read_into(key, out) is Fetch.CORRUPT
+        assert await store.get([key]) == [None]
+        assert store.stats.corrupt == corrupt + 2
+    # A plain value (not a frame) keeps the backend's own checksum.
+    await backend.put([("plain", b"abc" * 1000)])
+    header = parse_header(bytes(raw.get(backend._key("plain"))))
+    assert header is not None and header[1:] == (checksum([b"abc" * 1000]), 0)
+
+
+async def test_a_batch_is_written_together_and_what_it_missed_one_by_one(
+    backend: MooncakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several values go as one batch remove + one gathered insert; they replace existing values; a value
+    the batch insert did not write (a busy answer) is written again on its own; a batch naming one key twice
+    is written in order (the last value wins)."""
+    calls: list[str] = []
+    refuse = {"left": 0}
+
+    class Counting:
+        def __init__(self, store: Any) -> None:
+            self._real = store
+
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(self._real, name)
+
+        def batch_put_from_multi_buffers(self, keys: list[str], *args: Any) -> list[int]:
+            calls.append("batch_put_from_multi_buffers")
+            codes: list[int] = self._real.batch_put_from_multi_buffers(keys, *args)
+            if refuse["left"]:
+                refuse["left"] -= 1
+                self._real.remove(keys[0], True)
+                codes[0] = -714  # OBJECT_REPLICA_BUSY: may pass, so it is retried alone
+            return codes
+
+    monkeypatch.setattr(backend, "_store", Counting(backend._store))
+    values = [torch.full((64 << 10,), i, dtype=torch.uint8) for i in range(8)]
+    for round_ in range(2):  # fresh keys, then the same keys replaced
+        calls.clear()
+        batch = [(f"b{i}", [memoryview((v + round_).numpy())]) for i, v in enumerate(values)]
+        await backend.put(batch)
+        assert calls.count("batch_remove") == 1 and calls.count("batch_put_from_multi_buffers") == 1
+        assert "upsert_parts" not in calls and "remove" not in calls
+        got = await backend.get([k for k, _ in batch])
+        assert [b"".join(bytes(c) for c in g or ()) for g in got] == [bytes(p[0]) for _, p in batch]
+    calls.clear()
+    refuse["left"] = 1
+    await backend.put([(f"b{i}", b"x%d" % i) for i in range(3)])
+    assert calls.count("batch_put_from_multi_buffers") == 2  # the batch, then b0 alone
+    assert [b"".join(bytes(c) for c in g or ()) for g in await backend.get(["b0", "b1", "b2"])] == [
+        b"x0",
+        b"x1",
+        b"x2",
+    ]
+    await backend.put([("dup", b"first"), ("dup", b"second")])
+    (got,) = await backend.get(["dup"])
+    assert got is not None and b"".join(bytes(c) for c in got) == b"second"
+
+
+async def test_reads_queued_together_go_as_one_request_and_each_is_answered_as_alone(
+    backend: MooncakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first direct read of a loop iteration goes alone; the others started in that iteration share one
+    ``batch_get_into_multi_buffers``. A miss, a destination of the wrong size and a foreign value among them
+    get the answers they would get alone (a torn one is covered by the tearing test below), and a read
+    cancelled before its batch is sent is withdrawn without disturbing the others."""
+    requests: list[int] = []
+
+    class Counting:
+        def __init__(self, store: Any) -> None:
+            self._real = store
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._real, name)
+
+        def batch_get_into_multi_buffers(self, keys: list[str], *args: Any) -> list[int]:
+            requests.append(len(keys))
+            result: list[int] = self._real.batch_get_into_multi_buffers(keys, *args)
+            return result
+
+    values = {f"r{i}": bytes([i]) * (1000 + i) for i in range(12)}
+    await backend.put(list(values.items()))
+    assert backend._store.upsert(backend._key("foreign"), b"not ours" * 100) == 0
+    monkeypatch.setattr(backend, "_store", Counting(backend._store))
+    dests = {k: bytearray(len(v)) for k, v in values.items()}
+    wrong = bytearray(10)
+    foreign = bytearray(800 - HEADER_SIZE)
+    missing = bytearray(10)
+    got = await asyncio.gather(
+        *(backend.get_into(k, [memoryview(d)]) for k, d in dests.items()),
+        backend.get_into("r0", [memoryview(wrong)]),
+        backend.get_into("foreign", [memoryview(foreign)]),
+        backend.get_into("absent", [memoryview(missing)]),
+    )
+    assert got == [len(v) for v in values.values()] + [1000, 800 - HEADER_SIZE, None]
+    assert all(dests[k] == v for k, v in values.items())
+    # The first read alone, then one request for the 14 others (r0 again among them: distinct from the first
+    # read's request); the odd ones (wrong size, foreign) are answered from that request, not read again.
+    assert sorted(requests) == [1, 14]
+    # 40 reads at once: split into requests of at most _READ_BATCH names
+    await backend.put([(f"m{i}", b"%04d" % i) for i in range(40)])
+    requests.clear()
+    many = [bytearray(4) for _ in range(40)]
+    got = await asyncio.gather(*(backend.get_into(f"m{i}", [memoryview(m)]) for i, m in enumerate(many)))
+    assert got == [4] * 40 and [bytes(m) for m in many] == [b"%04d" % i for i in range(40)]
+    assert sorted(requests) == [1, 7, 32]
+    # A read cancelled before its batch was sent: withdrawn; the others in that batch are unaffected. (The
+    # send is delayed one more loop iteration here, so the cancellation lands first.)
+    loop = asyncio.get_running_loop()
+    send = backend._send_reads
+    monkeypatch.setattr(backend, "_send_reads", lambda reads: loop.call_soon(send, reads))
+    requests.clear()
+    lead = asyncio.ensure_future(backend.get_into("r5", [memoryview(dests["r5"])]))  # goes alone
+    doomed = asyncio.ensure_future(backend.get_into("r1", [memoryview(bytearray(1001))]))
+    kept = asyncio.ensure_future(backend.get_into("r2", [memoryview(dests["r2"])]))
+    await asyncio.sleep(0)  # all three started, the batch of the last two not yet sent
+    doomed.cancel()
+    assert await kept == 1002 and await lead == 1005 and doomed.cancelled()
+    assert requests == [1, 1] and backend.jobs_in_flight() == 0  # the batch held only kept
+    # Cancelled after the send: it waits for the request to end (its buffer is Mooncake's until then).
+    monkeypatch.setattr(backend, "_send_reads", send)
+    requests.clear()
+    lead = asyncio.ensure_future(backend.get_into("r5", [memoryview(dests["r5"])]))
+    late = asyncio.ensure_future(backend.get_into("r3", [memoryview(dests["r3"])]))
+    other = asyncio.ensure_future(backend.get_into("r4", [memoryview(dests["r4"])]))
+    for _ in range(2):
+        await asyncio.sleep(0)
+    late.cancel()
+    assert await other == 1004 and await lead == 1005
+    with pytest.raises(asyncio.CancelledError):
+        await late
+    assert sorted(requests) == [1, 2] and backend.jobs_in_flight() == 0 and dests["r3"] == values["r3"]
+
+
+async def test_the_side_by_side_benchmark_runs(mooncake_master: MooncakeMaster) -> None:
+    """``python -m backends._mooncake_bench`` (the figures in docs/benchmarks.md), tiny sizes: it runs and
+    reports every ratio it promises."""
+    from backends._mooncake_bench import _bench
+
+    url = mooncake_master.url(segment="64MiB", buffer="32MiB", timeout="5s", prefix=_prefix())
+    out = await _bench(url, [64 << 10], 1, 2, 2, 4, 4 << 10)
+    (size,) = out["sizes"]
+    assert size["put_vs_raw_put"] > 0 and size["get_vs_raw_get"] > 0 and size["clients_2_get_vs_raw_get"] > 0
+    assert out["batch"]["values"] == 4 and out["batch"]["get_vs_raw_get"] > 0
