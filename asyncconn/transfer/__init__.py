@@ -10,7 +10,7 @@ from __future__ import annotations
 from asyncconn.transfer._device import CpuDevice, CudaDevice, TransferDevice, default_device
 from asyncconn.transfer.dest import BlockDest, Destination, NewTensor
 from asyncconn.transfer.failures import Failure
-from asyncconn.transfer.lazy import LazyTensor, Shared, Slice
+from asyncconn.transfer.lazy import LazyTensor, Pieces, Shared, Slice
 from asyncconn.transfer.loader import LoadResult, StreamLoader
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 from asyncconn.transfer.saver import SaveTracker
@@ -24,6 +24,7 @@ __all__ = [
     "LazyTensor",
     "LoadResult",
     "NewTensor",
+    "Pieces",
     "PinnedBuffer",
     "PinnedPool",
     "SaveTracker",

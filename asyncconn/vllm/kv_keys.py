@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -85,6 +85,13 @@ class KeySpace:
         blob = json.dumps({"format": KEY_FORMAT, **asdict(identity)}, sort_keys=True).encode()
         self.namespace = hashlib.blake2b(blob, digest_size=_DIGEST).digest()
         self.tokens_per_value = identity.block_size * identity.blocks_per_value
+        # Per rank, a hasher already fed the namespace and the rank: a key is a copy plus one update (the
+        # worker derives a key per saved value on vLLM's thread, so this is on its hot path).
+        self._seeded: list[hashlib.blake2b] = []
+        for rank in range(identity.tp_size):
+            h = hashlib.blake2b(self.namespace, digest_size=_DIGEST)
+            h.update(rank.to_bytes(4, "little"))
+            self._seeded.append(h)
 
     @property
     def tp_size(self) -> int:
@@ -96,16 +103,46 @@ class KeySpace:
 
     def value_key(self, last_block_hash: bytes, rank: int) -> bytes:
         """The lookup key (bytes) of one value: the blocks ending at ``last_block_hash``, rank ``rank``."""
-        if not 0 <= rank < self.identity.tp_size:
-            raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.identity.tp_size}")
-        h = hashlib.blake2b(self.namespace, digest_size=_DIGEST)
-        h.update(rank.to_bytes(4, "little"))
+        h = self._hasher(rank)
         h.update(bytes(last_block_hash))
-        return h.digest()
+        digest: bytes = h.digest()
+        return digest
 
     def store_key(self, last_block_hash: bytes, rank: int) -> str:
         """The name the value is stored under (what the lookup client asks the store about)."""
         return store_key(self.key_prefix, self.value_key(last_block_hash, rank))
+
+    def store_keys(self, last_block_hashes: Iterable[bytes], rank: int) -> list[str]:
+        """:meth:`store_key` of each hash, for one rank: the same names, without the per-key overhead."""
+        if not 0 <= rank < self.identity.tp_size:
+            raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.identity.tp_size}")
+        seeded, prefix = self._seeded[rank], self.key_prefix
+        out: list[str] = []
+        for value_hash in last_block_hashes:
+            h = seeded.copy()
+            h.update(value_hash)
+            out.append(prefix + h.hexdigest())
+        return out
+
+    def namer(self, rank: int) -> Callable[[bytes], str]:
+        """``store_key(hash, rank)`` as a function of the hash alone (safe to call from any thread: each
+        call copies the pre-seeded hasher)."""
+        if not 0 <= rank < self.identity.tp_size:
+            raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.identity.tp_size}")
+        seeded, prefix = self._seeded[rank], self.key_prefix
+
+        def name(last_block_hash: bytes) -> str:
+            h = seeded.copy()
+            h.update(last_block_hash)
+            return prefix + h.hexdigest()
+
+        return name
+
+    def _hasher(self, rank: int) -> hashlib.blake2b:
+        """A fresh hasher already fed ``namespace`` and ``rank`` (``blake2b(namespace || rank || ...)``)."""
+        if not 0 <= rank < self.identity.tp_size:
+            raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.identity.tp_size}")
+        return self._seeded[rank].copy()
 
     def value_hashes(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """The block hash that names each complete value of a request: every ``blocks_per_value``-th hash."""

@@ -30,7 +30,7 @@ import concurrent.futures
 import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,9 +39,9 @@ from asyncconn.exceptions import AsyncConnError, ConfigError, RuntimeClosed
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, Failure, LoadResult, NewTensor, SaveTracker, StreamLoader
-from asyncconn.transfer.lazy import LazyTensor, Shared, Slice
+from asyncconn.transfer.lazy import Pieces, Shared
 from asyncconn.vllm.kv_keys import KeySpace
-from asyncconn.vllm.kv_meta import AsyncConnKVMetadata, AsyncConnKVStats, ValueRef
+from asyncconn.vllm.kv_meta import AsyncConnKVMetadata, AsyncConnKVStats, SaveSpec, ValueRef
 
 __all__ = ["KVWorkerSide", "LayerLayout"]
 
@@ -145,6 +145,7 @@ class KVWorkerSide:
         self._deletes: set[concurrent.futures.Future[int]] = set()  # corrupt values being removed
         self._stats = AsyncConnKVStats()
         self._saver_base = (0, 0)
+        self._namers: dict[int, Callable[[bytes], str]] = {}  # rank -> store key of a value hash
         self._closed = False
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -276,29 +277,71 @@ class KVWorkerSide:
 
         One gather per layer for the whole step (not one per value): each value is a slice of a single
         stacked tensor. With the tracker's copy thread (CPU) the gather itself is lazy -- a :class:`Shared`
-        the copy thread evaluates, then copies each :class:`Slice` into staging -- so vLLM's thread only
-        names the blocks; on CUDA it is gathered here on the current stream (kernel launches) and snapshotted
-        by a D2H on the tracker's side stream. Nothing here waits for the store.
+        the copy thread evaluates (block ids included), then copies each piece into staging -- so vLLM's
+        thread only hands each request's values over as one :class:`Pieces` range named by value hash
+        (``submit_many``: a tight duplicate check; store keys, save objects and copies on the copy thread,
+        one staging buffer for the step); on CUDA it is gathered here on the current stream (kernel
+        launches) and snapshotted by a D2H on the tracker's side stream. Nothing here waits for the store.
+        Bookkeeping is per request, not per value.
         """
-        if meta.saves:
+        specs = meta.saves
+        if specs:
             assert self.layout is not None, "register_kv_caches was not called"
-            refs = [(spec.request_id, ref) for spec in meta.saves for ref in spec.values]
-            values: Sequence[torch.Tensor | LazyTensor] = (
-                self._lazy_values(refs) if self.saver.copy_thread is not None else self._gather(refs)
-            )
-            now = time.monotonic()
-            saved = 0
-            for (rid, ref), value in zip(refs, values, strict=True):
-                self._had_saves.add(rid)
-                if self.saver.submit(rid, self.keys.store_key(ref.value_hash, self.rank), value):
-                    self._save_t0.setdefault(rid, now)
-                    saved += 1
+            if self.saver.copy_thread is not None:
+                saved, total = self._submit_lazy(specs)
+            else:
+                saved, total = self._submit_gathered(specs)
             if saved:
                 self._stats.add("saves", saved)
                 self._stats.add("tokens_saved", saved * self.keys.tokens_per_value)
-            if saved < len(refs):
-                self._stats.add("saves_skipped", len(refs) - saved)
+            if saved < total:
+                self._stats.add("saves_skipped", total - saved)
         self.saver.flush()
+
+    def _submit_lazy(self, specs: Sequence[SaveSpec]) -> tuple[int, int]:
+        """Copy-thread path: the step's gather is one lazy :class:`Shared`, each request a :class:`Pieces`
+        range of it. Duplicates are detected by value hash; the store key (a blake2b each) is derived on the
+        copy thread -- one worker, one rank, one key space: a hash names its key one way only."""
+        assert self.layout is not None
+        specs = tuple(specs)  # the copy thread reads their block ids later: a private, immutable copy
+        dim, bpv, dtype = self.layout.block_dim, self.keys.blocks_per_value, self.layout.dtype
+        shape = self._value_shape()
+        shared = Shared(functools.partial(_gather_specs, self._layer_caches, specs, dim))
+        name = self._namers.get(self.rank)
+        if name is None:
+            name = self._namers[self.rank] = self.keys.namer(self.rank)
+        submit_many, had_saves, save_t0 = self.saver.submit_many, self._had_saves, self._save_t0
+        now = time.monotonic()
+        saved = start = 0
+        for spec in specs:
+            rid, refs = spec.request_id, spec.values
+            n = len(refs)
+            if not n:
+                continue
+            had_saves.add(rid)
+            values = Pieces(shared, dim + 1, bpv, n, shape, dtype, start)
+            got = submit_many(rid, [ref.value_hash for ref in refs], values, name=name)
+            start += n
+            if got:
+                save_t0.setdefault(rid, now)
+                saved += got
+        return saved, start
+
+    def _submit_gathered(self, specs: Sequence[SaveSpec]) -> tuple[int, int]:
+        """Synchronous snapshots (CUDA; CPU without a copy thread): gathered here, one submit per value."""
+        refs = [(spec.request_id, ref) for spec in specs for ref in spec.values]
+        if not refs:
+            return 0, 0
+        values = self._gather(refs)
+        keys = self.keys.store_keys([ref.value_hash for _, ref in refs], self.rank)
+        now = time.monotonic()
+        saved = 0
+        for (rid, _), key, value in zip(refs, keys, values, strict=True):
+            self._had_saves.add(rid)
+            if self.saver.submit(rid, key, value):
+                self._save_t0.setdefault(rid, now)
+                saved += 1
+        return saved, len(refs)
 
     def _block_ids(self, refs: list[tuple[str, ValueRef]]) -> list[list[int]]:
         """The step's block ids per KV cache group, value after value."""
@@ -309,13 +352,6 @@ class KVWorkerSide:
         dim, bpv = self.layout.block_dim, self.keys.blocks_per_value
         stacked = _gather_layers(self._layer_caches, self._block_ids(refs), dim)
         return [stacked.narrow(dim + 1, i * bpv, bpv) for i in range(len(refs))]
-
-    def _lazy_values(self, refs: list[tuple[str, ValueRef]]) -> list[Slice]:
-        assert self.layout is not None
-        dim, bpv = self.layout.block_dim, self.keys.blocks_per_value
-        shared = Shared(functools.partial(_gather_layers, self._layer_caches, self._block_ids(refs), dim))
-        shape, dtype = self._value_shape(), self.layout.dtype
-        return [Slice(shared, dim + 1, i * bpv, bpv, shape, dtype) for i in range(len(refs))]
 
     def handle_preemptions(self, meta: AsyncConnKVMetadata) -> None:
         """The preempted requests' blocks are reused by this step: wait until no save still reads them.
@@ -435,6 +471,15 @@ class KVWorkerSide:
                 concurrent.futures.TimeoutError,
             ) as exc:  # never raise into vLLM's teardown
                 log.warning("KV connector: closing the store failed: %s", exc)
+
+
+def _gather_specs(
+    caches: list[tuple[torch.Tensor, int]], specs: Sequence[SaveSpec], dim: int
+) -> torch.Tensor:
+    """:func:`_gather_layers` of every value of ``specs``, value after value (run by the copy thread)."""
+    refs = [ref for spec in specs for ref in spec.values]
+    groups = len(refs[0].block_ids)
+    return _gather_layers(caches, [[b for ref in refs for b in ref.block_ids[g]] for g in range(groups)], dim)
 
 
 def _gather_layers(

@@ -20,7 +20,7 @@ from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, Failure, PinnedPool, SaveTracker, TransferDevice
 from asyncconn.transfer._device import DONE, CopyPairs, Event
 from asyncconn.transfer.copythread import CopyThread
-from asyncconn.transfer.lazy import Shared, Slice
+from asyncconn.transfer.lazy import Pieces, Shared, Slice
 from tests.transfer.fakes import GatedBackend
 from tests.transfer.helpers import SAVER_IDLE, drain_saves, wait_until
 
@@ -249,3 +249,97 @@ def test_the_thread_runs_from_the_first_job_until_close(runtime: Runtime) -> Non
     assert "asyncconn-save-copy" in names
     tracker.close()
     assert not tracker.copy_thread.alive
+
+
+def test_pieces_are_equal_slices_of_one_gather() -> None:
+    calls: list[int] = []
+    base = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
+
+    def gather() -> torch.Tensor:
+        calls.append(1)
+        return base
+
+    pieces = Pieces(Shared(gather), 1, 2, 3, (2, 2, 3), torch.float32)
+    part = pieces.part(1, 2)
+    assert len(pieces) == 3 and len(part) == 2 and pieces.nbytes == 2 * 2 * 3 * 4
+    assert torch.equal(part.tensor(1), base[:, 4:6])
+    assert torch.equal(part[0](), base[:, 2:4]) and torch.equal(part[-1](), base[:, 4:6])  # as Slices
+    assert [torch.equal(s(), base[:, 2 * i : 2 * i + 2]) for i, s in enumerate(pieces[0:3])] == [True] * 3
+    assert calls == [1]  # one gather for every piece
+    with pytest.raises(IndexError):
+        part[2]
+    with pytest.raises(ValueError):
+        pieces.part(2, 2)
+    wrong = Pieces(Shared(gather), 1, 2, 3, (2, 2, 4), torch.float32)
+    with pytest.raises(RuntimeError, match="promised"):
+        wrong.tensor(0)
+
+
+def test_submit_many_makes_no_save_and_gathers_nothing_on_the_callers_thread(runtime: Runtime) -> None:
+    store = TensorStore(GatedBackend(gated=False))
+    tracker = make_tracker(store, runtime)
+    threads: list[str] = []
+    cache = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+    def gather() -> torch.Tensor:
+        threads.append(threading.current_thread().name)
+        return cache.clone()
+
+    assert tracker.submit_many(
+        "r", ["k0", "k1", "k2"], Pieces(Shared(gather), 0, 1, 3, (1, 4), torch.float32)
+    )
+    tracker.flush()
+    assert threads == [] or threads == ["asyncconn-save-copy"]
+    drain_saves(tracker, {"r"})
+    assert threads == ["asyncconn-save-copy"]
+    for i in range(3):
+        back = stored(runtime, store, f"k{i}")
+        assert back is not None and torch.equal(back, cache[i : i + 1])
+    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    tracker.close()
+
+
+def test_a_failing_gather_fails_every_piece_and_returns_the_shared_buffer(runtime: Runtime) -> None:
+    store = TensorStore(GatedBackend(gated=False))
+    tracker = make_tracker(store, runtime)
+
+    def broken() -> torch.Tensor:
+        raise ValueError("gather failed")
+
+    assert tracker.submit_many("r1", ["a", "b"], Pieces(Shared(broken), 0, 1, 2, (1, 4), torch.float32)) == 2
+    assert tracker.submit_many("r2", ["c"], slices_of(torch.ones(1, 4))) == 1  # same step, a good gather
+    tracker.flush()
+    assert drain_saves(tracker, {"r1", "r2"}) == {"r1", "r2"}
+    assert tracker.failures[Failure.DEVICE_ERROR] == 2 and tracker.saved == 1 and tracker.requests_failed == 1
+    assert stored(runtime, store, "c") is not None and stored(runtime, store, "a") is None
+    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    # failed keys are not remembered: a later step saves them
+    assert tracker.submit_many("r3", ["a"], slices_of(torch.ones(1, 4))) == 1
+    drain_saves(tracker, {"r3"})
+    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    tracker.close()
+
+
+def slices_of(value: torch.Tensor) -> Pieces:
+    return Pieces(Shared(value.clone), 0, 1, value.shape[0], (1, *value.shape[1:]), value.dtype)
+
+
+def test_wait_snapshots_covers_submit_many_and_close_joins(runtime: Runtime) -> None:
+    backend = GatedBackend(gated=True)  # puts hang: waiting for the snapshot must not wait for the store
+    store = TensorStore(backend)
+    tracker = make_tracker(store, runtime)
+    gate, started = threading.Event(), threading.Event()
+    blocks = torch.full((2, 1024), 7.0)
+    pieces = Pieces(held_gather(blocks, gate, started), 0, 1, 2, (1, 1024), torch.float32)
+    assert tracker.submit_many("preempted", ["k0", "k1"], pieces) == 2
+    assert not tracker.wait_snapshots(["preempted"], timeout=0.0)  # posts the job; the gather is held
+    assert started.wait(5)
+    assert tracker.wait_snapshots(["other"], timeout=0.0)  # only the preempted request's copies count
+    gate.set()
+    assert tracker.wait_snapshots(["preempted"], timeout=5.0)
+    blocks.fill_(-1.0)  # vLLM reuses the preempted request's blocks right after
+    assert backend.entered.wait(5) and tracker.pending("preempted") == 2
+    tracker.close(timeout=0.05)  # the puts hang: cancelled, the shared buffer returned
+    assert tracker.failures[Failure.STORE_ERROR] == 2
+    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    runtime.call_soon(backend.gate.set)

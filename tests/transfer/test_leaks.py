@@ -12,6 +12,7 @@ from asyncconn import codec
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import BlockDest, CpuDevice, Failure, NewTensor, PinnedPool, SaveTracker, StreamLoader
+from asyncconn.transfer.lazy import Pieces, Shared
 from backends.memory import MemoryBackend
 from tests.transfer.helpers import SAVER_IDLE, wait_until
 
@@ -86,12 +87,19 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime, copy_t
                 submitted_requests.add(request)
                 tracker.submit(request, f"save{i % 300}", torch.full((8, 4), float(i)))  # many duplicates
                 note("save")
-            elif kind == 4:
+            elif kind == 4 and i % 2:
                 request = f"req{i}"
                 submitted_requests.add(request)
                 tracker.submit(request, f"save{i}", torch.full((8, 4), float(i)))
                 tracker.submit(request, f"save{i}-b", torch.full((2,), float(i)))
                 note("save2")
+            elif kind == 4:  # a step's values as lazy pieces of one gather, some of them duplicates
+                request = f"req{i}"
+                submitted_requests.add(request)
+                block = torch.full((3, 8, 4), float(i))
+                pieces = Pieces(Shared(block.clone), 0, 1, 3, (1, 8, 4), torch.float32)
+                tracker.submit_many(request, [f"many{i}", f"save{i % 300}", f"many{i}-c"], pieces)
+                note("save-many")
             elif kind == 5:
                 load(f"v{i % 8}", NewTensor((8, 4), torch.float32))
                 note("hit")

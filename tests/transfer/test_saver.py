@@ -5,13 +5,17 @@ Every test runs twice: with the tracker's copy thread (the CPU default) and with
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from asyncconn import codec
 from asyncconn.exceptions import TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, Failure, PinnedPool, SaveTracker
+from asyncconn.transfer.lazy import Pieces, Shared
 from backends.memory import MemoryBackend
 from tests.transfer.fakes import GatedBackend
 from tests.transfer.helpers import SAVER_IDLE, drain_saves, same_bytes
@@ -248,3 +252,153 @@ def test_runtime_closing_mid_put_fails_the_saves_and_returns_buffers(gated: Gate
     assert drain_saves(tracker, {"r"}) == {"r"}
     assert tracker.failures[Failure.STORE_ERROR] == 2 and tracker.requests_failed == 1
     assert_idle(tracker)
+
+
+def rows(cache: torch.Tensor, order: list[int]) -> Pieces:
+    """A step's values as lazy pieces: rows ``order`` of ``cache`` gathered once, one row per piece."""
+    index = torch.tensor(order)
+    return Pieces(
+        Shared(lambda: cache.index_select(0, index)), 0, 1, len(order), (1, cache.shape[1]), cache.dtype
+    )
+
+
+def test_submit_many_is_submit_per_value_with_one_staging_buffer(
+    runtime: Runtime, gated: GatedBackend, copy_thread: bool
+) -> None:
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime)
+    cache = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    pieces = rows(cache, [5, 1, 3, 7, 2, 9])
+    assert tracker.submit_many("r1", ["a", "b", "a", "c"], pieces.part(0, 4)) == 3  # "a" twice: once
+    assert tracker.submit_many("r2", ["b", "d"], pieces.part(4, 2)) == 1  # "b" is in flight for r1
+    assert tracker.submit_many("r3", [], pieces.part(6, 0)) == 0  # nothing: not even a request
+    assert tracker.skipped == 2 and tracker.counters()["requests"] == 2
+    assert tracker.pending("r1") == 3 and tracker.pending("r2") == 1  # pending() hands them over
+    if copy_thread:  # the step's four accepted values share one buffer: one pool acquire, not four
+        assert tracker.pool.allocations == 1 and tracker.counters()["buffers_out"] == 1
+    else:  # synchronous snapshots: one per value, as submit does
+        assert tracker.pool.allocations == 4
+    runtime.call_soon(gated.gate.set)
+    assert drain_saves(tracker, {"r1", "r2"}) == {"r1", "r2"}
+    for key, row in (("a", 5), ("b", 1), ("c", 7), ("d", 9)):
+        back = stored(runtime, store, key)
+        assert back is not None and torch.equal(back, cache[row : row + 1])
+    assert tracker.saved == 4 and tracker.saved_bytes == 4 * 16
+    assert tracker.submit_many("r4", ["c", "a"], pieces.part(0, 2)) == 0  # saved recently
+    assert tracker.poll_finished() == {"r4"}  # nothing accepted: done at once
+    assert_idle(tracker)
+    with pytest.raises(TransferError, match="2 keys for 1 values"):
+        tracker.submit_many("r5", ["x", "y"], pieces.part(0, 1))
+
+
+def test_submit_many_takes_plain_tensors_too(runtime: Runtime, store: TensorStore) -> None:
+    tracker = make_tracker(store, runtime)
+    values = [torch.full((3,), 1.0), torch.full((5,), 2.0, dtype=torch.float16)]
+    assert tracker.submit_many("r", ["t1", "t2"], values) == 2
+    drain_saves(tracker, {"r"})
+    for key, value in zip(("t1", "t2"), values, strict=True):
+        back = stored(runtime, store, key)
+        assert back is not None and same_bytes(back, value)
+    assert_idle(tracker)
+
+
+def test_submit_many_stages_one_by_one_when_the_pool_cannot_give_one_buffer(
+    runtime: Runtime, gated: GatedBackend
+) -> None:
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime, capacity=8192)  # two 4 KiB buffers; 3 x 4 KiB never fits whole
+    cache = torch.arange(3 * 1024, dtype=torch.float32).reshape(3, 1024)
+    assert tracker.submit_many("r", ["k0", "k1", "k2"], rows(cache, [0, 1, 2])) == 3
+    tracker.flush()
+    assert tracker.counters()["queued"] == 1 and tracker.counters()["buffers_out"] == 2
+    assert tracker.submit_many("s", ["k3"], rows(cache, [2])) == 1  # behind the queue: queued too
+    tracker.flush()
+    assert tracker.counters()["queued"] == 2
+    runtime.call_soon(gated.gate.set)
+    drain_saves(tracker, {"r", "s"})
+    for i, row in enumerate((0, 1, 2, 2)):
+        back = stored(runtime, store, f"k{i}")
+        assert back is not None and torch.equal(back, cache[row : row + 1])
+    assert tracker.saved == 4 and not tracker.failures
+    assert_idle(tracker)
+
+
+def test_submit_many_with_name_dedupes_by_identity_and_names_on_the_copy_thread(
+    runtime: Runtime, store: TensorStore, copy_thread: bool
+) -> None:
+    tracker = make_tracker(store, runtime, capacity=8192)
+    threads: set[str] = set()
+
+    def name(ident: bytes) -> str:
+        threads.add(threading.current_thread().name)
+        return "kv:" + ident.hex()
+
+    cache = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    idents = [b"\x01", b"\x02", b"\x01"]
+    assert tracker.submit_many("r1", idents, rows(cache, [0, 1, 2]), name=name) == 2
+    assert tracker.submit_many("r2", [b"\x02"], rows(cache, [3]), name=name) == 0  # in flight
+    if copy_thread:  # nothing named on the caller's thread: the copy thread derives the store keys
+        assert threads == set()
+    assert drain_saves(tracker, {"r1", "r2"}) == {"r1", "r2"}
+    assert threads == {"asyncconn-save-copy"} if copy_thread else threads == {threading.current_thread().name}
+    for key, row in (("kv:01", 0), ("kv:02", 1)):
+        back = stored(runtime, store, key)
+        assert back is not None and torch.equal(back, cache[row : row + 1])
+    assert tracker.submit_many("r3", [b"\x01"], rows(cache, [0]), name=name) == 0  # saved recently
+    assert tracker.poll_finished() == {"r3"}
+    # queued behind saves waiting for buffers: named and staged one by one, same identities
+    big = torch.zeros(2, 1024)
+    assert tracker.submit_many("r4", [b"\x10", b"\x11"], rows(big, [0, 1]), name=name) == 2
+    tracker.flush()
+    assert tracker.submit_many("r5", [b"\x12", b"\x10"], rows(big, [0, 1]), name=name) == 1
+    drain_saves(tracker, {"r4", "r5"})
+    assert stored(runtime, store, "kv:12") is not None and tracker.saved == 5
+    assert_idle(tracker)
+
+
+def test_the_copy_thread_frames_what_it_staged(
+    runtime: Runtime, store: TensorStore, copy_thread: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a copy thread, each value's frame header (the checksum pass) is made on that thread right after
+    the copy: the loop only writes (``put_frames``), and the stored frames read back exact. Without one, the
+    loop encodes (``put``)."""
+    framed_on: list[str] = []
+    calls: list[str] = []
+    encode = codec.encode_parts
+
+    def spy_encode(tensor: torch.Tensor, *, key: str | bytes | None = None) -> tuple[bytes, memoryview]:
+        framed_on.append(threading.current_thread().name)
+        return encode(tensor, key=key)
+
+    monkeypatch.setattr(codec, "encode_parts", spy_encode)
+    for method in ("put", "put_frames"):
+        original = getattr(store, method)
+
+        async def spy(items: object, _original: object = original, _name: str = method) -> None:
+            calls.append(_name)
+            await _original(items)  # type: ignore[operator]
+
+        monkeypatch.setattr(store, method, spy)
+    tracker = make_tracker(store, runtime)
+    values = {f"f{i}": torch.randn(64, 3) for i in range(5)}
+    for key, value in values.items():
+        assert tracker.submit("r", key, value)
+    drain_saves(tracker, {"r"})
+    for key, value in values.items():
+        got = stored(runtime, store, key)
+        assert got is not None and torch.equal(got, value)
+    if copy_thread:
+        assert calls == ["put_frames"] and framed_on[:5] == ["asyncconn-save-copy"] * 5
+    else:
+        assert calls == ["put", "put_frames"] and "asyncconn-save-copy" not in framed_on
+    tracker.close()
+    assert_idle(tracker)
+
+
+def test_a_frame_stored_under_another_key_is_rejected(runtime: Runtime, store: TensorStore) -> None:
+    """``put_frames`` trusts its caller to pair each header with its key; a mispaired one is not a silent
+    wrong value: the key-bound checksum makes it a corrupt miss."""
+    tensor = torch.arange(16, dtype=torch.float32)
+    header, payload = codec.encode_parts(tensor, key="right")
+    runtime.run(store.put_frames([("wrong", header, payload)]))
+    assert stored(runtime, store, "wrong") is None and store.stats.corrupt == 1

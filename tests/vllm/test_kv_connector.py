@@ -7,6 +7,7 @@ future left anywhere.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -14,8 +15,18 @@ import pytest
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 from vllm.v1.request import RequestStatus
 
+from asyncconn.transfer.lazy import Pieces
+from asyncconn.vllm import kv_worker
 from asyncconn.vllm.sim import SimShape
-from tests.vllm.test_kv_support import check_kv, kv_spec, leaks, prompt, run_checked, store_url
+from tests.vllm.test_kv_support import (
+    check_kv,
+    kv_spec,
+    leaks,
+    load_error_blocks,
+    prompt,
+    run_checked,
+    store_url,
+)
 
 
 def _fill(make_sim: Any, url: str, prompts: dict[str, list[int]], bpv: int = 1, **kw: Any) -> None:
@@ -188,10 +199,7 @@ def test_store_dies_mid_load_recomputes(make_sim: Any, fresh_redis: Any) -> None
     worker.start_load_kv = start_then_kill  # type: ignore[method-assign]
     sim.add_request("b", tokens, max_tokens=3)
     records = run_checked(sim)
-    invalid = set().union(
-        *(r.kv_connector_output.invalid_block_ids or set() for r in records if r.kv_connector_output)
-    )
-    assert len(invalid) == 5  # 95 usable tokens: 5 blocks planned, all failed
+    assert len(load_error_blocks(records)) == 5  # 95 usable tokens: 5 blocks planned, all failed
     assert sim.tokens_computed["b"] == 96 + 2  # everything recomputed
     assert sim.outputs["b"] == [7, 7, 7]
     assert worker.loader.failures  # counted as store errors
@@ -476,3 +484,41 @@ def test_bad_config_and_unreachable_store_fail_at_start_up(make_sim: Any) -> Non
     dead = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(BackendUnavailable):
         make_sim(kv=kv_spec(dead, store_timeout="1s", lookup_timeout="1s"))
+
+
+def test_cpu_wait_for_save_names_values_by_hash_and_gathers_on_the_copy_thread(
+    make_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's thread hands each request's values over as one Pieces range named by value hash; the gather
+    and the store keys run on the save tracker's copy thread; the saved values are the lookup's keys."""
+    url = store_url()
+    sim = make_sim(kv=kv_spec(url))
+    worker = sim.workers[0].kv_connector.worker_side
+    calls: list[tuple[str, int, bool, bool]] = []
+    gathers: list[str] = []
+    submit_many, gather = worker.saver.submit_many, kv_worker._gather_specs
+
+    def record_submit(rid: str, keys: Any, values: Any, *, name: Any = None) -> int:
+        calls.append((rid, len(keys), isinstance(values, Pieces), all(isinstance(k, bytes) for k in keys)))
+        return int(submit_many(rid, keys, values, name=name))
+
+    def record_gather(*args: Any) -> Any:
+        gathers.append(threading.current_thread().name)
+        return gather(*args)
+
+    monkeypatch.setattr(worker.saver, "submit_many", record_submit)
+    monkeypatch.setattr(kv_worker, "_gather_specs", record_gather)
+    tokens = prompt(21, 40)
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    assert calls == [("a", 2, True, True)]  # two full blocks, one call, hashes not store keys
+    assert gathers == ["asyncconn-save-copy"]
+    assert worker.saver.saved == 2
+    assert leaks(sim) == []
+    sim.close()
+    # a second instance finds both values under the keys the scheduler asks for
+    second = make_sim(kv=kv_spec(url))
+    second.add_request("b", tokens, max_tokens=1)
+    run_checked(second)
+    assert second.workers[0].kv_connector.worker_side.loader.loaded == 2
+    assert leaks(second) == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -54,6 +56,27 @@ def test_store_key_is_the_lookup_clients_name() -> None:
     space = KeySpace(BASE, key_prefix="kv:")
     key = space.value_key(HASHES[2], 1)
     assert space.store_key(HASHES[2], 1) == store_key("kv:", key) == "kv:" + key.hex()
+
+
+def test_store_keys_are_store_key_of_each_hash_and_the_key_format_is_unchanged() -> None:
+    space = KeySpace(BASE, key_prefix="kv:")
+    for rank in (0, 1):
+        assert space.store_keys(HASHES, rank) == [space.store_key(h, rank) for h in HASHES]
+    # the derivation written out (the pre-seeded hashers must not change a key that stores already hold)
+    h = hashlib.blake2b(space.namespace, digest_size=16)
+    h.update((1).to_bytes(4, "little"))
+    h.update(HASHES[3])
+    assert space.value_key(HASHES[3], 1) == h.digest()
+    assert space.store_keys([], 0) == []
+    name = space.namer(1)  # what the save tracker's copy thread calls: the same names
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(name, HASHES)) == [space.store_key(h, 1) for h in HASHES]
+    with pytest.raises(ConfigError, match="rank"):
+        space.namer(2)
+    with pytest.raises(ConfigError, match="rank"):
+        space.store_keys(HASHES, 2)
+    with pytest.raises(ConfigError, match="rank"):
+        space.value_key(HASHES[0], -1)
 
 
 def test_values_and_lookup_keys_order() -> None:

@@ -78,3 +78,10 @@ def leaks(sim: Any) -> list[str]:
 
 def prompt(seed: int, length: int, vocab: int = 1000) -> list[int]:
     return [(seed * 7919 + i * 31) % vocab for i in range(length)]
+
+
+def load_error_blocks(records: list[Any]) -> set[int]:
+    """Every block id the worker reported as failed to load (``invalid_block_ids``) over ``records``."""
+    return set().union(
+        *(r.kv_connector_output.invalid_block_ids or set() for r in records if r.kv_connector_output)
+    )
