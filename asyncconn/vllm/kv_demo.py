@@ -9,6 +9,7 @@ second engine loaded into its cache equals the KV the first engine computed for 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -78,35 +79,23 @@ def run_kv_demo(
     # Wave 1: compute and save; keep each prefix's computed KV to compare the loads against.
     computed: dict[int, dict[str, torch.Tensor]] = {}
     first = prompts(1)
-    with EngineSim(model, **engine_kw) as sim:
+    # The first engine stays up (idle) while the second runs: two instances sharing one store. It must on a
+    # Mooncake store, whose values live in the memory segments its live clients contribute: closing the
+    # first engine's client would take the values it saved with it.
+    with contextlib.ExitStack() as engines:
+        first_sim = engines.enter_context(EngineSim(model, **engine_kw))
         for rid, tokens in first.items():
-            sim.add_request(rid, tokens, max_tokens=max_tokens)
-        _run(sim, timeout, lambda: _capture(sim, first, num_prefixes, prefix_tokens, computed))
-        wave1 = _summary(sim, first, max_tokens)
-
-    # Wave 2: same prefixes, new endings; check loaded blocks the step they are reported received.
-    second = prompts(2)
-    checks = {"equal": True, "bytes": 0}
-    with EngineSim(model, **engine_kw) as sim:
-        for rid, tokens in second.items():
-            sim.add_request(rid, tokens, max_tokens=max_tokens)
-
-        def verify() -> None:
-            out = sim.steps[-1].kv_connector_output
-            for rid in (out.finished_recving or ()) if out is not None else ():
-                request = sim.scheduler.requests[rid]
-                loaded = request.num_computed_tokens
-                reference = computed.get(int(rid.split("-")[1]) % num_prefixes)
-                if reference is None:
-                    checks["equal"] = False
-                    continue
-                for layer, tensor in sim.read_kv(rid).items():
-                    same = torch.equal(tensor, reference[layer][:loaded])
-                    checks["equal"] = bool(checks["equal"]) and same
-                    checks["bytes"] = int(checks["bytes"]) + tensor.numel() * tensor.element_size()
-
-        _run(sim, timeout, verify)
-        wave2 = _summary(sim, second, max_tokens)
+            first_sim.add_request(rid, tokens, max_tokens=max_tokens)
+        _run(first_sim, timeout, lambda: _capture(first_sim, first, num_prefixes, prefix_tokens, computed))
+        wave1 = _summary(first_sim, first, max_tokens)
+        wave2, checks = _second_wave(
+            engines.enter_context(EngineSim(model, **engine_kw)),
+            prompts(2),
+            computed,
+            num_prefixes,
+            max_tokens,
+            timeout,
+        )
     return {
         "backend_url": redact(backend_url),
         "blocks_per_value": blocks_per_value,
@@ -116,6 +105,38 @@ def run_kv_demo(
         "bytes_compared": int(checks["bytes"]),
         "seconds": round(time.monotonic() - started, 3),
     }
+
+
+def _second_wave(
+    sim: Any,
+    second: dict[str, list[int]],
+    computed: dict[int, dict[str, torch.Tensor]],
+    num_prefixes: int,
+    max_tokens: int,
+    timeout: float,
+) -> tuple[dict[str, int], dict[str, Any]]:
+    """Same prefixes, new endings, on a second engine; loaded blocks are checked the step they arrive."""
+    checks: dict[str, Any] = {"equal": True, "bytes": 0}
+    for rid, tokens in second.items():
+        sim.add_request(rid, tokens, max_tokens=max_tokens)
+
+    def verify() -> None:
+        out = sim.steps[-1].kv_connector_output
+        for rid in (out.finished_recving or ()) if out is not None else ():
+            request = sim.scheduler.requests[rid]
+            loaded = request.num_computed_tokens
+            reference = computed.get(int(rid.split("-")[1]) % num_prefixes)
+            if reference is None:
+                checks["equal"] = False
+                continue
+            for layer, tensor in sim.read_kv(rid).items():
+                same = torch.equal(tensor, reference[layer][:loaded])
+                checks["equal"] = bool(checks["equal"]) and same
+                checks["bytes"] = int(checks["bytes"]) + tensor.numel() * tensor.element_size()
+
+    _run(sim, timeout, verify)
+    wave2 = _summary(sim, second, max_tokens)
+    return wave2, checks
 
 
 def _run(sim: Any, timeout: float, after_step: Any) -> None:
@@ -164,7 +185,7 @@ def demo_part(backend_url: str, workdir: Path) -> dict[str, Any]:
     result = run_kv_demo(backend_url, model_dir=workdir / "kv-model")
     w1, w2 = result["wave1"], result["wave2"]
     return {
-        "title": "KV: wave 1 computes and saves; wave 2 (same prefixes, a fresh engine) loads",
+        "title": "KV: wave 1 computes and saves; wave 2 (same prefixes, a second engine) loads",
         "figures": {
             "wave 1 requests / prompt tokens": f"{w1['requests']} / {w1['prompt_tokens']}",
             "wave 1 tokens computed": w1["tokens_recomputed"],

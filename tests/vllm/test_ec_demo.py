@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,19 @@ def test_demo_runs_e_and_pd_and_every_check_passes(capsys: pytest.CaptureFixture
     assert figures["items encoded on E"] == figures["distinct images"]
     assert figures["PD prefetch hits (admitted after prefetch)"] >= 1
     assert figures["bytes loaded by PD (all workers)"] > 0
+
+
+def test_demo_on_a_real_mooncake_store(capsys: pytest.CaptureFixture[str], mooncake_master: Any) -> None:
+    """Both connectors, unchanged, on a real ``mooncake_master``: every check of the demo passes."""
+    url = mooncake_master.url(
+        segment="64MiB", buffer="32MiB", timeout="5s", prefix=f"demo-{uuid.uuid4().hex[:8]}/"
+    )
+    assert main(["demo", "--backend", url, "--json"]) == 0
+    ec, kv = json.loads(capsys.readouterr().out)
+    for summary in (ec, kv):
+        assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
+    assert kv["figures"]["wave 2 tokens loaded from the store"] > 0
+    assert ec["figures"]["PD prefetch hits (admitted after prefetch)"] >= 1
 
 
 def test_demo_on_a_given_backend_prints_a_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
