@@ -90,3 +90,49 @@ def test_cli_prints_the_report_and_exits_by_it(capsys: pytest.CaptureFixture[str
     assert main(["chaos", "--faults", "meteor_strike"]) == 2
     # It quiets the library's loggers while it runs and puts them back (later tests capture their records).
     assert {n: logging.getLogger(n).level for n in levels} == levels
+
+
+def test_a_lookup_server_that_exits_is_restarted_like_a_supervisor_would() -> None:
+    """The lookup server exits when the store is unreachable as it starts (a restart overlapping a
+    ``redis_kill``); the injector restarts it -- never during a ``lookup_kill`` window, at most once a
+    second -- so the run does not end waiting for a server that is gone."""
+    import random
+    import time
+
+    from asyncconn.chaos.faults import FaultInjector, _Active
+
+    class FakeLookup:
+        def __init__(self) -> None:
+            self.proc: object | None = object()
+            self.alive = False  # it has exited
+            self.starts = 0
+
+        def start(self, *, wait: bool = True) -> None:
+            self.starts += 1
+
+        def wait_ready(self) -> None:
+            pass
+
+    lookup = FakeLookup()
+    injector = FaultInjector(
+        rng=random.Random(1),
+        runtime=None,  # type: ignore[arg-type]
+        backend=None,  # type: ignore[arg-type]
+        redis_server=None,
+        lookup_server=lookup,  # type: ignore[arg-type]
+        keys=list,
+        interval=1e9,
+        kinds=(),
+    )
+    now = time.monotonic()
+    injector._active = _Active("lookup_kill", now + 100)
+    injector.tick(now)
+    assert lookup.starts == 0  # killed on purpose: it comes back when the fault ends
+    injector._active = None
+    injector.tick(now)
+    injector.tick(now + 0.5)
+    assert lookup.starts == 1 and injector.lookup_restarts == 1  # once, then not before a second has passed
+    injector.tick(now + 1.5)
+    assert lookup.starts == 2
+    injector.heal_all()  # the drain phase: restarted at once, whatever the pace
+    assert lookup.starts == 3

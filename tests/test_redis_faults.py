@@ -623,3 +623,19 @@ async def test_the_connect_bound_is_separate_from_the_call_bound() -> None:
         await store.close()
     finally:
         server.stop()
+
+
+def test_pause_returns_once_every_server_thread_is_stopped(fresh_redis: RedisServer) -> None:
+    """``kill(SIGSTOP)`` only queues the signal; a fault test that sends a request right after ``pause`` must
+    find the server frozen (a frozen mooncake_master was seen answering one under load)."""
+    assert fresh_redis.proc is not None
+    pid = fresh_redis.proc.pid
+    for _ in range(20):
+        fresh_redis.pause()
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+            states.append(stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3])
+        assert states and all(s in (b"T", b"t") for s in states), states
+        fresh_redis.resume()

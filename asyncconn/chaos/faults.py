@@ -76,6 +76,8 @@ class FaultInjector:
         self._slow_next = 0.0
         self._control: redis.Redis | None = None
         self._bag: list[str] = []
+        self.lookup_restarts = 0  # by the supervisor below, not by a fault's end
+        self._restart_after = 0.0
 
     def _possible(self, kind: str) -> bool:
         if kind.startswith("redis_"):
@@ -90,6 +92,7 @@ class FaultInjector:
 
     def tick(self, now: float) -> None:
         """Advance the schedule: end a fault whose window is over, start the next one when due."""
+        self._supervise(now)
         active = self._active
         if active is not None:
             if now >= active.until:
@@ -122,7 +125,23 @@ class FaultInjector:
             self._heal(self._active.kind)
             self._active = None
         if self.lookup is not None:
+            self._supervise(time.monotonic() + 1e9)
             self.lookup.wait_ready()
+
+    def _supervise(self, now: float) -> None:
+        """Restart the lookup server when it has exited outside a ``lookup_kill`` window, as a supervisor
+        (systemd, Kubernetes) would: it exits when the store is unreachable as it starts -- a restart that
+        overlapped a ``redis_kill`` (seen: the run then ended waiting 30 s for a server that was gone).
+        At most one restart a second: each one is a cold interpreter importing torch."""
+        lookup = self.lookup
+        if lookup is None or lookup.proc is None or lookup.alive or now < self._restart_after:
+            return
+        if self._active is not None and self._active.kind == "lookup_kill":
+            return
+        log.info("chaos: the lookup server exited; restarting it")
+        lookup.start(wait=False)
+        self.lookup_restarts += 1
+        self._restart_after = now + 1.0
         if self._control is not None:
             self._control.close()
             self._control = None

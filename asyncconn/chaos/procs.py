@@ -40,6 +40,25 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in ``/proc``); True where there is no
+    ``/proc`` to ask (nothing better can be done there) or the process is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+        if state not in (b"T", b"t", b"Z", b"X"):
+            return False
+    return True
+
+
 class ServerProcess:
     """Signals for a server subprocess held in ``self.proc``: freeze, thaw, kill (fault injection)."""
 
@@ -50,9 +69,16 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def pause(self) -> None:
-        """SIGSTOP: the server keeps its sockets open but answers nothing (a hung store)."""
+        """SIGSTOP: the server keeps its sockets open but answers nothing (a hung store).
+
+        Returns once every thread of the server is stopped: ``kill`` only queues the signal, and on a busy
+        host a multi-threaded server (mooncake_master) was seen answering a request sent after it returned.
+        """
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while not _all_threads_stopped(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def resume(self) -> None:
         if self.alive:

@@ -27,16 +27,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from typing import Generic, TypeVar, cast
 
-from asyncconn.exceptions import ConfigError, LoopThreadBlocked, RuntimeClosed
+from asyncconn.exceptions import AsyncConnError, ConfigError, LoopThreadBlocked, RuntimeClosed
 from asyncconn.lookup.metrics import LookupMetrics
 from asyncconn.lookup.protocol import Key, Kind
 from asyncconn.lookup.transports import Answer, LookupTransport
 from asyncconn.runtime import Runtime, get_runtime
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_TIMEOUT", "EXISTS", "PREFIX", "LookupClient", "Mode"]
 
@@ -230,14 +233,24 @@ class LookupClient(Generic[R]):
         }
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the transport and drop every lookup. Safe to call twice; later submits raise."""
+        """Stop the transport and drop every lookup. Safe to call twice; later submits raise.
+
+        Never raises for the store: vLLM calls this while shutting down, possibly with the store dead or
+        hung (a Mooncake client unmounting from a dead master retries for seconds). Past ``timeout`` the
+        transport goes on closing on the loop and this returns, with a warning.
+        """
         if self._closed:
             return
         self._closed = True
         self._entries.clear()
         if self._rt.closed:
             return
-        self._rt.run(self._aclose(), timeout=timeout)
+        try:
+            self._rt.run(self._aclose(), timeout=timeout)
+        except TimeoutError:
+            log.warning("lookup client: the transport did not close within %.1fs (store down?)", timeout)
+        except AsyncConnError as exc:
+            log.warning("lookup client: closing the transport failed: %s", exc)
 
     def __enter__(self) -> LookupClient[R]:
         return self

@@ -294,3 +294,32 @@ def test_runtime_closed_underneath_raises_library_error() -> None:
     assert not client.pending("b")
     assert client.discard("a") is True  # never raises
     client.close()  # nothing left to do, no error
+
+
+def test_close_never_raises_for_a_hung_or_failing_transport(
+    rt: Runtime, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM shuts the connector down whatever state the store is in: a transport that hangs on close (a
+    Mooncake client unmounting from a dead master) or fails must not turn shutdown into an exception."""
+    import asyncio
+    import time
+
+    from asyncconn.exceptions import BackendUnavailable
+
+    class Hanging(FakeTransport):
+        async def close(self) -> None:
+            await asyncio.sleep(30)
+
+    class Failing(FakeTransport):
+        async def close(self) -> None:
+            raise BackendUnavailable("store is gone")
+
+    for transport, said in ((Hanging(), "did not close within"), (Failing(), "store is gone")):
+        client: LookupClient[int] = LookupClient(transport, mode=PREFIX, runtime=rt, timeout=60.0)
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="asyncconn.lookup.client"):
+            client.close(timeout=0.2)
+        assert time.monotonic() - t0 < 5
+        assert said in caplog.text
+        client.close()  # twice: a no-op
+        caplog.clear()
