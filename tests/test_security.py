@@ -409,7 +409,10 @@ def test_secrets_absent_from_check_and_lookup_server_cli(
     assert cli_main(["check", f"redis://:{SECRET}-x@127.0.0.1:{secret_redis.port}/0", "--timeout", "2"]) != 0
     code = cli_main(["lookup-server", "--backend", f"redis://:{SECRET}@127.0.0.1:{dead}/0?timeout=1"])
     assert code == 2
+    backend = f"redis://:{SECRET}@127.0.0.1:{dead}/0?timeout=1"
+    assert cli_main(["lookup-server", "--backend", backend, "--wait-for-store", "0.3s"]) == 2
     out = capsys.readouterr()
+    assert "trying again" in out.err  # the retry lines are checked too
     assert "***" in out.out + out.err  # the URL was printed, redacted
     _assert_clean([out.out, out.err], caplog)
 

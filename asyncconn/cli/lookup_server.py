@@ -2,7 +2,8 @@
 
 Runs the server on its own asyncio loop (uvloop when installed) in the foreground until SIGINT/SIGTERM.
 It prints ``listening on ENDPOINT`` on stdout once bound, so scripts (and ``bench lookup``) can wait for
-it. Exit codes: 0 after a clean stop, 2 for a bad URL/endpoint or an unreachable store.
+it. Exit codes: 0 after a clean stop, 2 for a bad URL/endpoint or a store still unreachable after
+``--wait-for-store`` (default: not waited for).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from asyncconn.exceptions import AsyncConnError, ConfigError
+from asyncconn.exceptions import AsyncConnError, BackendError, ConfigError
 from asyncconn.lookup.curve import CurveServerKeys, load_key
 from asyncconn.lookup.protocol import DEFAULT_MAX_KEYS
 from asyncconn.lookup.server import DEFAULT_BIND, LookupServer
@@ -37,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message", default="16MiB", help="frames larger than this drop the peer")
     parser.add_argument("--timeout", default="5s", help="store call timeout")
     parser.add_argument(
+        "--wait-for-store",
+        default="0s",
+        help="keep trying an unreachable store this long at start-up (backoff 0.1s doubling to 2s); "
+        "default 0: exit 2 at once",
+    )
+    parser.add_argument(
         "--curve-secret-key",
         help="enable CURVE: the server's Z85 secret key, or a file holding it / a ZMQ cert",
     )
@@ -54,7 +61,8 @@ async def serve(args: argparse.Namespace) -> int:
     """Open the store, bind, serve until a signal; the store and socket are closed on every path."""
     curve = _curve(args)  # before the store is opened: a bad key must not leave it open
     try:
-        store = await TensorStore.open(args.backend, timeout=parse_duration(args.timeout))
+        wait = parse_duration(args.wait_for_store)
+        store = await _open_store(args.backend, parse_duration(args.timeout), wait)
     except (AsyncConnError, ValueError) as exc:
         print(f"asyncconn lookup-server: cannot open {redact(args.backend)}: {exc}", file=sys.stderr)
         return 2
@@ -85,6 +93,34 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         await server.close()
         await store.close()
+
+
+async def _open_store(url: str, timeout: float, wait: float) -> TensorStore:
+    """Open the store; while it is unreachable (a :class:`BackendError`, not a bad URL) try again until
+    ``wait`` has passed.
+
+    Why: a lookup server is often started beside its store (one pod, one compose file) and may come up
+    first. Failing at once makes the supervisor's restart loop the retry; ``--wait-for-store`` lets the
+    operator choose a bounded wait instead. Each failed try is one line on stderr.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    pause = 0.1
+    while True:
+        try:
+            return await TensorStore.open(url, timeout=timeout)
+        except BackendError as exc:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise
+            pause = min(pause, left)
+            print(
+                f"asyncconn lookup-server: {redact(url)} unreachable ({exc}); trying again in {pause:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
 
 def _curve(args: argparse.Namespace) -> CurveServerKeys | None:

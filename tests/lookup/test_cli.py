@@ -6,10 +6,13 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
+import pytest
 import zmq
 
 from asyncconn.lookup.protocol import encode_mooncake_lookup
+from tests.servers import RedisServer, free_port
 
 
 def test_lookup_server_serves_and_stops_cleanly() -> None:
@@ -61,6 +64,78 @@ def test_lookup_server_bad_backend_exits_2() -> None:
     )
     assert done.returncode == 2
     assert "nosuch" in done.stderr
+
+
+@pytest.mark.redis
+def test_lookup_server_waits_for_a_store_that_comes_up_later() -> None:
+    """``--wait-for-store``: started before its redis-server, it retries (one stderr line per try) and
+    serves once the store is up, on the same address it was given."""
+    redis = RedisServer()  # a port chosen now, the server started later
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncconn",
+            "lookup-server",
+            "--backend",
+            f"{redis.url}?timeout=1",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--wait-for-store",
+            "60s",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stderr.readline()
+        assert "unreachable" in line and "trying again" in line, line
+        assert proc.poll() is None
+        redis.start()
+        line = proc.stdout.readline()
+        assert line.startswith("listening on tcp://127.0.0.1:"), line
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(line.split()[-1])
+        sock.send_multipart(encode_mooncake_lookup(16, [b"a" * 32]))
+        assert sock.recv() == b"\x00\x00\x00\x00"
+        sock.close(0)
+        ctx.term()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        redis.stop()
+
+
+def test_lookup_server_gives_up_on_a_store_that_stays_down() -> None:
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncconn",
+            "lookup-server",
+            "--backend",
+            f"redis://127.0.0.1:{free_port()}/0?timeout=1",
+            "--wait-for-store",
+            "1s",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert time.monotonic() - started >= 1.0
+    retries = [line for line in done.stderr.splitlines() if "trying again" in line]
+    assert len(retries) >= 2, done.stderr  # 0.1s, 0.2s, 0.4s, ... until the second has passed
+    assert "cannot open" in done.stderr.splitlines()[-1]
 
 
 def test_bench_lookup_json_smoke() -> None:
