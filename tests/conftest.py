@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -67,13 +68,7 @@ def mooncake_master() -> Iterator[object]:
     A missing extra fails the test rather than skipping it: the README's test command installs it, and a
     skipped real-server test proves nothing.
     """
-    import mooncake.store  # noqa: F401
-
-    from tests.servers_distributed import MooncakeMaster, find_mooncake_master
-
-    if find_mooncake_master() is None:
-        pytest.fail("mooncake_master is not installed (pip install 'asyncconn[mooncake]')")
-    master = MooncakeMaster().start()
+    master = _start_mooncake_master()
     try:
         yield master
     finally:
@@ -84,15 +79,19 @@ def mooncake_master() -> Iterator[object]:
 def private_master() -> Iterator[object]:
     """A mooncake_master of the test's own, for tests that freeze, kill or restart it (thawed and stopped
     afterwards, whatever the test did). A missing extra fails, as for the session master."""
+    master = _start_mooncake_master()
+    try:
+        yield master
+    finally:
+        master.resume()
+        master.stop()
+
+
+def _start_mooncake_master() -> Any:
     import mooncake.store  # noqa: F401
 
     from tests.servers_distributed import MooncakeMaster, find_mooncake_master
 
     if find_mooncake_master() is None:
         pytest.fail("mooncake_master is not installed (pip install 'asyncconn[mooncake]')")
-    master = MooncakeMaster().start()
-    try:
-        yield master
-    finally:
-        master.resume()
-        master.stop()
+    return MooncakeMaster().start()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -14,13 +16,13 @@ import zmq
 from asyncconn.lookup.protocol import encode_mooncake_lookup
 from tests.servers import RedisServer, free_port
 
+ASYNCCONN = [sys.executable, "-m", "asyncconn"]  # the CLI as a user runs it
+
 
 def test_lookup_server_serves_and_stops_cleanly() -> None:
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "asyncconn",
+            *ASYNCCONN,
             "lookup-server",
             "--backend",
             "memory://cli",
@@ -36,28 +38,40 @@ def test_lookup_server_serves_and_stops_cleanly() -> None:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line.startswith("listening on tcp://127.0.0.1:")
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.RCVTIMEO, 5000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(line.split()[-1])
-        sock.send_multipart(encode_mooncake_lookup(16, [b"a" * 32, b"b" * 32]))
-        assert sock.recv() == b"\x00\x00\x00\x00"  # empty store: no hit
-        sock.send_multipart([b"reset"])
-        assert sock.recv() == b"\x00"  # no wipe: refused, never a false "ok"
-        sock.close(0)
-        ctx.term()
+        with _req(line.split()[-1]) as sock:
+            sock.send_multipart(encode_mooncake_lookup(16, [b"a" * 32, b"b" * 32]))
+            assert sock.recv() == b"\x00\x00\x00\x00"  # empty store: no hit
+            sock.send_multipart([b"reset"])
+            assert sock.recv() == b"\x00"  # no wipe: refused, never a false "ok"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
+
+
+@contextlib.contextmanager
+def _req(endpoint: str) -> Iterator[zmq.Socket]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def test_lookup_server_bad_backend_exits_2() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "asyncconn", "lookup-server", "--backend", "nosuch://x"],
+        [*ASYNCCONN, "lookup-server", "--backend", "nosuch://x"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -73,9 +87,7 @@ def test_lookup_server_waits_for_a_store_that_comes_up_later() -> None:
     redis = RedisServer()  # a port chosen now, the server started later
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "asyncconn",
+            *ASYNCCONN,
             "lookup-server",
             "--backend",
             f"{redis.url}?timeout=1",
@@ -96,21 +108,13 @@ def test_lookup_server_waits_for_a_store_that_comes_up_later() -> None:
         redis.start()
         line = proc.stdout.readline()
         assert line.startswith("listening on tcp://127.0.0.1:"), line
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.RCVTIMEO, 5000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(line.split()[-1])
-        sock.send_multipart(encode_mooncake_lookup(16, [b"a" * 32]))
-        assert sock.recv() == b"\x00\x00\x00\x00"
-        sock.close(0)
-        ctx.term()
+        with _req(line.split()[-1]) as sock:
+            sock.send_multipart(encode_mooncake_lookup(16, [b"a" * 32]))
+            assert sock.recv() == b"\x00\x00\x00\x00"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
         redis.stop()
 
 
@@ -118,9 +122,7 @@ def test_lookup_server_gives_up_on_a_store_that_stays_down() -> None:
     started = time.monotonic()
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "asyncconn",
+            *ASYNCCONN,
             "lookup-server",
             "--backend",
             f"redis://127.0.0.1:{free_port()}/0?timeout=1",
@@ -141,9 +143,7 @@ def test_lookup_server_gives_up_on_a_store_that_stays_down() -> None:
 def test_bench_lookup_json_smoke() -> None:
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "asyncconn",
+            *ASYNCCONN,
             "bench",
             "lookup",
             "--json",
