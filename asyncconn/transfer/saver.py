@@ -278,6 +278,8 @@ class SaveTracker:
         if copy_thread and not on_cpu:
             raise TransferError("copy_thread is for CPU devices; CUDA snapshots run on the side stream")
         self._thread = CopyThread("asyncconn-save-copy") if (on_cpu and copy_thread is not False) else None
+        if self._thread is not None:
+            self._thread.start()  # now, not in the first step's flush (starting a thread waits for it)
         self._requests: dict[str, _Request] = {}
         self._finished: set[str] = set()  # all saves done, not reported yet
         self._queued: collections.deque[_Save] = collections.deque()  # waiting for a staging buffer

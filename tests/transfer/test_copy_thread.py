@@ -7,6 +7,7 @@ which makes every ordering here deterministic (no sleeps, no timed assertions)."
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -56,7 +57,8 @@ def slices(shared: Shared, rows: int, cols: int) -> list[Slice]:
 def test_cpu_default_is_a_copy_thread_and_cuda_refuses_one(runtime: Runtime) -> None:
     store = TensorStore(GatedBackend(gated=False))
     tracker = make_tracker(store, runtime)
-    assert tracker.copy_thread is not None and not tracker.copy_thread.alive  # started by the first job
+    # Started with the tracker (engine start-up), not in the first step's flush: Thread.start waits for it.
+    assert tracker.copy_thread is not None and tracker.copy_thread.alive
     assert make_tracker(store, runtime, copy_thread=False).copy_thread is None
 
     with pytest.raises(TransferError, match="copy_thread"):
@@ -224,6 +226,19 @@ def test_copy_thread_stops_when_closed_or_dropped() -> None:
     assert not thread.is_alive()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_copy_thread_runs_as_a_batch_thread_so_its_wake_ups_do_not_preempt_the_poster() -> None:
+    ct = CopyThread("asyncconn-test-batch")
+    ct.start()
+    assert ct._thread is not None and ct._thread.native_id is not None
+    seen = threading.Event()
+    ct.post(seen.set)  # the policy is set before the first job runs
+    assert seen.wait(5)
+    assert os.sched_getscheduler(ct._thread.native_id) == os.SCHED_BATCH
+    assert os.sched_getscheduler(0) != os.SCHED_BATCH  # the poster's own policy is untouched
+    assert ct.close(5)
+
+
 def test_a_raising_job_does_not_stop_later_jobs(caplog: pytest.LogCaptureFixture) -> None:
     ct = CopyThread("asyncconn-test-raise")
     ran = threading.Event()
@@ -238,7 +253,7 @@ def test_a_raising_job_does_not_stop_later_jobs(caplog: pytest.LogCaptureFixture
     assert "copy job failed" in caplog.text
 
 
-def test_the_thread_runs_from_the_first_job_until_close(runtime: Runtime) -> None:
+def test_the_thread_runs_from_the_trackers_start_until_close(runtime: Runtime) -> None:
     store = TensorStore(GatedBackend(gated=False))
     tracker = make_tracker(store, runtime)
     tracker.submit("r", "k", torch.ones(4))
