@@ -607,7 +607,8 @@ class SaveTracker:
             total += group.nbytes * len(group.taken)
             count += len(group.taken)
         try:
-            buf = self.pool.acquire(total) if not self._queued else None
+            # lazy: a fresh span is allocated by the copy thread, its only user, not on vLLM's thread
+            buf = self.pool.acquire(total, lazy=True) if not self._queued else None
         except PoolTooSmall:
             buf = None  # one by one, each value may still fit (or fail TOO_LARGE alone)
         if buf is not None:

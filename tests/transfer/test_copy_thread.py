@@ -314,6 +314,37 @@ def test_submit_many_makes_no_save_and_gathers_nothing_on_the_callers_thread(run
     tracker.close()
 
 
+class _ThreadRecordingDevice(CpuDevice):
+    """A CPU device that notes which thread allocates each staging buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocated_on: list[str] = []
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        self.allocated_on.append(threading.current_thread().name)
+        return super().alloc_host(nbytes)
+
+
+def test_the_steps_staging_span_is_allocated_by_the_copy_thread(runtime: Runtime) -> None:
+    """A fresh span (no idle buffer fits) costs vLLM's thread no allocation; the copy thread makes it."""
+    store = TensorStore(GatedBackend(gated=False))
+    device = _ThreadRecordingDevice()
+    tracker = SaveTracker(store, runtime=runtime, device=device, pool=PinnedPool(1 << 20, device=device))
+    cache = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert tracker.submit_many(
+        "r", ["k0", "k1", "k2"], Pieces(Shared(cache.clone), 0, 1, 3, (1, 4), torch.float32)
+    )
+    tracker.flush()
+    drain_saves(tracker, {"r"})
+    assert device.allocated_on == ["asyncconn-save-copy"]
+    for i in range(3):
+        back = stored(runtime, store, f"k{i}")
+        assert back is not None and torch.equal(back, cache[i : i + 1])
+    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    tracker.close()
+
+
 def test_a_failing_gather_fails_every_piece_and_returns_the_shared_buffer(runtime: Runtime) -> None:
     store = TensorStore(GatedBackend(gated=False))
     tracker = make_tracker(store, runtime)

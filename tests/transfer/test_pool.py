@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncconn.exceptions import PoolTooSmall, TransferError
-from asyncconn.transfer import PinnedPool
+from asyncconn.transfer import CpuDevice, PinnedPool
 from asyncconn.transfer.pool import size_class
 
 
@@ -133,3 +133,31 @@ def test_bad_configuration_is_refused() -> None:
 def test_cpu_pool_is_not_pinned() -> None:
     # Pinned memory is only requested when CUDA is there to use it (the CPU device allocates plain memory).
     assert PinnedPool(4096).pinned is False
+
+
+def test_a_lazy_buffer_is_allocated_by_its_first_user_and_counted_at_once() -> None:
+    made: list[int] = []
+
+    class Counting(CpuDevice):
+        def alloc_host(self, nbytes: int) -> torch.Tensor:
+            made.append(nbytes)
+            return super().alloc_host(nbytes)
+
+    pool = PinnedPool(1 << 16, device=Counting())
+    buf = pool.acquire(5000, lazy=True)
+    assert buf is not None and not buf.allocated and made == []
+    assert pool.bytes_reserved == pool.bytes_out == 8192 and pool.allocations == 1  # the bytes are taken now
+    buf.view(torch.uint8, (5000,)).fill_(7)
+    assert buf.allocated and made == [8192]
+    pool.release(buf)
+    again = pool.acquire(5000)
+    assert again is buf and made == [8192]  # reused, not made twice
+
+    untouched = pool.acquire(5000, lazy=True)  # a fresh one (``buf`` is out): left unallocated ...
+    assert untouched is not None and untouched is not buf and not untouched.allocated
+    pool.release(untouched)
+    plain = pool.acquire(5000)  # ... and allocated by the next non-lazy borrower, before it is handed out
+    assert plain is untouched and plain.allocated and made == [8192, 8192]
+    pool.release(plain)
+    pool.release(again)
+    assert pool.buffers_out == 0
