@@ -136,3 +136,36 @@ def test_a_lookup_server_that_exits_is_restarted_like_a_supervisor_would() -> No
     assert lookup.starts == 2
     injector.heal_all()  # the drain phase: restarted at once, whatever the pace
     assert lookup.starts == 3
+
+
+@pytest.mark.redis
+def test_heal_all_closes_the_control_connection_of_slow_bursts(fresh_redis: Any) -> None:
+    """The ``CLIENT PAUSE`` bursts use a control connection of the injector's own; the drain phase closes
+    it (a restart of the lookup server must not, and must not be needed for it)."""
+    import random
+
+    import redis
+
+    from asyncconn.chaos.faults import FaultInjector
+
+    injector = FaultInjector(
+        rng=random.Random(1),
+        runtime=None,  # type: ignore[arg-type]
+        backend=None,  # type: ignore[arg-type]
+        redis_server=fresh_redis,
+        lookup_server=None,
+        keys=list,
+        interval=1e9,
+        kinds=(),
+    )
+    injector._slow_burst()
+    control = injector._control
+    assert control is not None
+    probe = redis.Redis(host="127.0.0.1", port=fresh_redis.port)
+    try:
+        assert int(probe.info("clients")["connected_clients"]) == 2  # the probe and the control connection
+        injector.heal_all()
+        assert injector._control is None
+        assert int(probe.info("clients")["connected_clients"]) == 1
+    finally:
+        probe.close()

@@ -127,6 +127,9 @@ class FaultInjector:
         if self.lookup is not None:
             self._supervise(time.monotonic() + 1e9)
             self.lookup.wait_ready()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
 
     def _supervise(self, now: float) -> None:
         """Restart the lookup server when it has exited outside a ``lookup_kill`` window, as a supervisor
@@ -142,9 +145,6 @@ class FaultInjector:
         lookup.start(wait=False)
         self.lookup_restarts += 1
         self._restart_after = now + 1.0
-        if self._control is not None:
-            self._control.close()
-            self._control = None
 
     # -- server faults ----------------------------------------------------------------------------------
     def _start(self, kind: str) -> None:
