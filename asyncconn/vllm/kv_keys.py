@@ -114,22 +114,13 @@ class KeySpace:
 
     def store_keys(self, last_block_hashes: Iterable[bytes], rank: int) -> list[str]:
         """:meth:`store_key` of each hash, for one rank: the same names, without the per-key overhead."""
-        if not 0 <= rank < self.identity.tp_size:
-            raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.identity.tp_size}")
-        seeded, prefix = self._seeded[rank], self.key_prefix
-        out: list[str] = []
-        for value_hash in last_block_hashes:
-            h = seeded.copy()
-            h.update(value_hash)
-            out.append(prefix + h.hexdigest())
-        return out
+        name = self.namer(rank)
+        return [name(value_hash) for value_hash in last_block_hashes]
 
     def namer(self, rank: int) -> Callable[[bytes], str]:
         """``store_key(hash, rank)`` as a function of the hash alone (safe to call from any thread: each
         call copies the pre-seeded hasher)."""
-        if not 0 <= rank < self.identity.tp_size:
-            raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.identity.tp_size}")
-        seeded, prefix = self._seeded[rank], self.key_prefix
+        seeded, prefix = self._hasher(rank), self.key_prefix  # a private seed: never updated itself
 
         def name(last_block_hash: bytes) -> str:
             h = seeded.copy()
