@@ -17,6 +17,12 @@ choice -- allocate on the default stream and make the side stream ``wait_stream(
 serialize every load behind all the compute queued at the time of the copy, which is exactly the stall this
 module exists to remove.
 
+Inference mode. vLLM runs its worker thread under ``torch.inference_mode()``, and a tensor created there is an
+*inference tensor*: an in-place write to it from any thread outside inference mode (the loop reading a value
+into staging, the copy thread filling a snapshot) raises. Every host buffer is therefore allocated with
+inference mode switched off (:func:`_normal_tensors`), whoever asks for it; so are device tensors the engines
+create, since a caller outside inference mode may write them later.
+
 Writes into memory we did not allocate (KV blocks in vLLM's cache) are ordered after the default-stream work
 queued *when the load was submitted* (an event recorded then, waited on by the side stream), not after work
 queued later, so they still overlap with the steps that follow. Every CUDA tensor a side-stream copy touches
@@ -33,6 +39,11 @@ from typing import ClassVar, Protocol
 import torch
 
 __all__ = ["DONE", "CopyPairs", "CpuDevice", "CudaDevice", "Event", "TransferDevice", "default_device"]
+
+
+def _normal_tensors() -> torch.inference_mode:
+    """A context in which new tensors are normal tensors, even on a thread running under inference mode."""
+    return torch.inference_mode(False)
 
 
 class Event(Protocol):
@@ -105,10 +116,12 @@ class CpuDevice(TransferDevice):
         return False
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        with _normal_tensors():
+            return torch.empty(nbytes, dtype=torch.uint8)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=dtype)
+        with _normal_tensors():
+            return torch.empty(tuple(shape), dtype=dtype)
 
     def mark(self) -> Event:
         return DONE
@@ -141,10 +154,11 @@ class CudaDevice(TransferDevice):
         return True
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        with _normal_tensors():
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        with torch.cuda.stream(self.stream):
+        with _normal_tensors(), torch.cuda.stream(self.stream):
             return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
     def mark(self) -> Event:
