@@ -1,0 +1,219 @@
+"""Tiny random-weight models, built locally, so vLLM's real engine runs on a machine with no model hub.
+
+Why random weights and not a downloaded checkpoint: the machines this runs on reach only package registries,
+and a connector is proven by what it moves (bytes of KV blocks and embeddings), not by what the model says.
+Two rules make such a model useful as proof:
+
+- greedy tokens must depend on the context, or equal tokens prove nothing: matrices get a large enough
+  spread, norms weight 1 and biases 0 (random norms and biases pull every context to the same token);
+- the checkpoint must load with vLLM's own weight names (transformers 5 saves some towers under names
+  vLLM 0.32 does not map), so the saved files are rewritten to the names vLLM reads.
+
+``vision`` is a BLIP-2 (ViT tower, Q-Former, OPT decoder): vLLM's LLaVA and PaliGemma paths import
+torchvision (through vLLM's Pixtral module), and the registry's torchvision builds do not load beside the
+CPU torch that vLLM's CPU build pins; BLIP-2 needs neither, and its image processor has a PIL path.
+Each model is built once into a cache folder (``ASYNCCONN_MODEL_CACHE``, default
+``~/.cache/asyncconn/models``), atomically, and reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MODELS", "ModelSpec", "build_model", "model_cache_dir"]
+
+#: Bumped whenever what a builder writes changes, so an old cached folder is not reused.
+_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One tiny model: its family and sizes."""
+
+    family: str  # "llama" or "blip2"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int = 1024
+    max_positions: int = 4096
+    std: float = 0.1  # spread of the decoder's matrices
+    about: str = ""
+
+
+MODELS: dict[str, ModelSpec] = {
+    "text": ModelSpec("llama", 128, 2, 4, 2, 256, about="2-layer Llama, 0.4M parameters (tests, demo)"),
+    "text-100m": ModelSpec(
+        "llama",
+        768,
+        14,
+        12,
+        4,
+        2048,
+        vocab=8192,
+        max_positions=16384,
+        std=0.05,
+        about="14-layer Llama, ~100M parameters (benchmarks: prefill dominates)",
+    ),
+    "vision": ModelSpec(
+        "blip2",
+        128,
+        2,
+        4,
+        4,
+        256,
+        std=0.3,
+        about="BLIP-2 (2-layer ViT, Q-Former, 2-layer OPT), 8 image tokens",
+    ),
+}
+
+#: The vision model's image size and its number of placeholder tokens per image.
+IMAGE_SIZE = 56
+IMAGE_TOKENS = 8
+#: Token id of the vision model's image placeholder.
+IMAGE_TOKEN_ID = 4
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("ASYNCCONN_MODEL_CACHE") or Path.home() / ".cache" / "asyncconn" / "models")
+
+
+def build_model(
+    name: str, cache_dir: Path | None = None, progress: Callable[[str], None] | None = None
+) -> Path:
+    """The folder of model ``name`` (a key of :data:`MODELS`), built on first use."""
+    spec = MODELS[name]
+    root = cache_dir if cache_dir is not None else model_cache_dir()
+    target = root / f"{name}-v{_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    say = progress or (lambda _msg: None)
+    say(f"building the tiny model {name!r} ({spec.about}) in {target} (once)")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        if spec.family == "llama":
+            _build_llama(spec, tmp)
+        else:
+            _build_blip2(spec, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process built it meanwhile
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"built {name!r}")
+    return target
+
+
+def _init_weights(model: Any, std_for: Callable[[str], float]) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                is_norm_weight = "norm" in name.lower() and name.endswith("weight")
+                param.fill_(1.0 if is_norm_weight else 0.0)
+            else:
+                param.normal_(0.0, std_for(name))
+
+
+def _build_llama(spec: ModelSpec, out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        vocab_size=spec.vocab,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    _init_weights(model, lambda _name: spec.std)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _build_blip2(spec: ModelSpec, out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        Blip2Config,
+        Blip2ForConditionalGeneration,
+        Blip2Processor,
+        Blip2QFormerConfig,
+        Blip2VisionConfig,
+        BlipImageProcessor,
+        OPTConfig,
+        PreTrainedTokenizerFast,
+    )
+
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, "<image>": IMAGE_TOKEN_ID}
+    vocab.update({f"w{i}": i for i in range(5, spec.vocab)})
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="</s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    vision = Blip2VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=14,
+    )
+    qformer = Blip2QFormerConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        encoder_hidden_size=64,
+        vocab_size=spec.vocab,
+    )
+    text = OPTConfig(
+        hidden_size=spec.hidden,
+        ffn_dim=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        vocab_size=spec.vocab,
+        max_position_embeddings=spec.max_positions,
+        word_embed_proj_dim=spec.hidden,
+    )
+    config = Blip2Config(
+        vision_config=vision.to_dict(),
+        qformer_config=qformer.to_dict(),
+        text_config=text.to_dict(),
+        num_query_tokens=IMAGE_TOKENS,
+        image_token_index=IMAGE_TOKEN_ID,
+    )
+    model = Blip2ForConditionalGeneration(config)
+    # The image path gets a wider spread than the decoder, so that images steer the tokens.
+    _init_weights(model, lambda name: spec.std if name.startswith("language_model") else 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    processor = Blip2Processor(
+        image_processor=BlipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        tokenizer=tokenizer,
+        num_query_tokens=IMAGE_TOKENS,
+    )
+    processor.save_pretrained(out)
+    # BlipImageProcessor falls back to its PIL implementation without torchvision; name it so no warning.
+    path = out / "processor_config.json"
+    data = json.loads(path.read_text())
+    data.get("image_processor", {})["image_processor_type"] = "BlipImageProcessorPil"
+    path.write_text(json.dumps(data, indent=1))
+    weights = out / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
