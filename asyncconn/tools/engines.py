@@ -1,4 +1,4 @@
-"""vLLM's real engine, in process, with asyncconn's connectors: what the demo, the tests and the benchmarks run.
+"""vLLM's real engine, in process, with asyncconn's connectors: what the demo, tests and benchmarks run.
 
 ``make_llm`` builds a ``vllm.LLM`` on one of the tiny models (:mod:`asyncconn.tools.tiny_models`) with the
 settings vLLM's CPU build needs (block size a multiple of 32, a bounded KV cache, eager mode), and
@@ -220,20 +220,24 @@ class Probe:
         return out
 
     @contextlib.contextmanager
-    def encoder_calls(self) -> Iterator[list[int]]:
-        """Count the images the vision encoder embeds while the block runs: ``calls[0]`` after it."""
+    def encoder_outputs(self) -> Iterator[list[torch.Tensor]]:
+        """Record a copy of every embedding the vision encoder produces while the block runs.
+
+        Why: "the encoder did not run for a stored item" must be a count that a regression changes, and
+        "the store holds what E computed" a byte comparison against what the encoder really returned.
+        """
         model = self.runner.get_model()
-        calls = [0]
+        seen: list[torch.Tensor] = []
         original = model.embed_multimodal
 
-        def counted(**kwargs: Any) -> Any:
+        def recorded(**kwargs: Any) -> Any:
             out = original(**kwargs)
-            calls[0] += len(out) if isinstance(out, list | tuple) else int(out.shape[0])
+            seen.extend(t.detach().clone() for t in out)
             return out
 
-        model.embed_multimodal = counted
+        model.embed_multimodal = recorded
         try:
-            yield calls
+            yield seen
         finally:
             del model.embed_multimodal
 

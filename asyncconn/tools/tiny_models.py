@@ -6,8 +6,7 @@ Two rules make such a model useful as proof:
 
 - greedy tokens must depend on the context, or equal tokens prove nothing: matrices get a large enough
   spread, norms weight 1 and biases 0 (random norms and biases pull every context to the same token);
-- the checkpoint must load with vLLM's own weight names (transformers 5 saves some towers under names
-  vLLM 0.32 does not map), so the saved files are rewritten to the names vLLM reads.
+- the model family must be one whose vLLM code and image processor import without torchvision (below).
 
 ``vision`` is a BLIP-2 (ViT tower, Q-Former, OPT decoder): vLLM's LLaVA and PaliGemma paths import
 torchvision (through vLLM's Pixtral module), and the registry's torchvision builds do not load beside the
@@ -71,7 +70,7 @@ MODELS: dict[str, ModelSpec] = {
         4,
         256,
         std=0.3,
-        about="BLIP-2 (2-layer ViT, Q-Former, 2-layer OPT), 8 image tokens",
+        about="BLIP-2: 2-layer ViT, Q-Former, 2-layer OPT; 8 image tokens",
     ),
 }
 
@@ -147,7 +146,6 @@ def _build_llama(spec: ModelSpec, out: Path) -> None:
 
 
 def _build_blip2(spec: ModelSpec, out: Path) -> None:
-    from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         Blip2Config,
@@ -215,5 +213,3 @@ def _build_blip2(spec: ModelSpec, out: Path) -> None:
     data = json.loads(path.read_text())
     data.get("image_processor", {})["image_processor_type"] = "BlipImageProcessorPil"
     path.write_text(json.dumps(data, indent=1))
-    weights = out / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})

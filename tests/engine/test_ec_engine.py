@@ -1,0 +1,183 @@
+"""The EC connector in vLLM's real engine: E (``ec_producer``) saves embeddings, PD (``ec_consumer``) loads them.
+
+What is proven, each by a check that fails if the path was not taken:
+- E's stored values are byte for byte what E's vision encoder returned;
+- PD's greedy tokens equal a reference engine's, and PD's encoder ran only for the request an idle V1
+  engine releases to it (docs/ec.md: vLLM's V1 runner calls no EC hook on an empty step);
+- PD used the stored embeddings: a store holding valid but *different* embeddings changes PD's output for
+  exactly the requests it loaded;
+- a corrupt stored value is encoded locally, and every connector structure is back to zero afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from asyncconn.lookup.protocol import store_key
+from asyncconn.runtime import get_runtime
+from asyncconn.store import TensorStore
+from asyncconn.tools.engines import (
+    Probe,
+    close_llm,
+    ec_config,
+    ec_params,
+    forward_ec_params,
+    make_llm,
+    token_ids,
+)
+from asyncconn.tools.tiny_models import IMAGE_SIZE
+
+pytestmark = pytest.mark.vllm
+
+N = 6
+SAMPLING = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+def requests() -> list[dict[str, Any]]:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    images = [
+        Image.fromarray(rng.integers(0, 255, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)) for _ in range(N)
+    ]
+    return [{"prompt": f"w{10 + i} w11 w12 w13", "multi_modal_data": {"image": im}} for i, im in enumerate(images)]
+
+
+def run(model: Path, role: str | None, url: str, params: list[Any] | None = None) -> dict[str, Any]:
+    """One engine over :func:`requests`; returns tokens, E's params, encoder outputs and connector state."""
+    from vllm import SamplingParams
+
+    llm = make_llm(model, ec=None if role is None else ec_config(role, backend_url=url), max_model_len=512)
+    try:
+        probe = Probe(llm)
+        sampling: Any = SamplingParams(**SAMPLING)
+        if params is not None:
+            sampling = [forward_ec_params(p, **SAMPLING) for p in params]
+        with probe.encoder_outputs() as encoded:
+            outputs = llm.generate(requests(), sampling)
+        probe.settle()
+        out: dict[str, Any] = {"tokens": token_ids(outputs), "params": ec_params(outputs), "encoded": encoded}
+        if role is not None:
+            scheduler = probe.ec_scheduler_connector().scheduler
+            worker = probe.ec_worker_connector().worker
+            worker.poll()
+            out["scheduler_counters"] = scheduler.counters()
+            out["worker_counters"] = worker.counters()
+            out["worker"] = worker
+        return out
+    finally:
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def reference(vision_model: Path) -> dict[str, Any]:
+    out = run(vision_model, None, "")
+    assert len(out["encoded"]) == N
+    assert len({tuple(t) for t in out["tokens"]}) > 1, "the model's tokens do not depend on the image"
+    return out
+
+
+@pytest.fixture
+def produced(vision_model: Path, tmp_path: Path, reference: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """E's run over a fresh file:// store."""
+    url = f"file://{tmp_path / 'store'}"
+    out = run(vision_model, "ec_producer", url)
+    out["url"] = url
+    yield out
+
+
+def stored(url: str, hashes: list[str]) -> list[torch.Tensor | None]:
+    async def read() -> list[torch.Tensor | None]:
+        store = await TensorStore.open(url)
+        try:
+            return await store.get([store_key("", h) for h in hashes])
+        finally:
+            await store.close()
+
+    return get_runtime().run(read(), 30)
+
+
+def rewrite(url: str, values: dict[str, torch.Tensor]) -> None:
+    async def write() -> None:
+        store = await TensorStore.open(url)
+        try:
+            await store.put([(store_key("", h), v) for h, v in values.items()])
+        finally:
+            await store.close()
+
+    get_runtime().run(write(), 30)
+
+
+def hashes_of(params: list[Any]) -> list[str]:
+    out = []
+    for p in params:
+        assert p and len(p["asyncconn_saving"]) == 1, p
+        out.append(p["asyncconn_saving"][0])
+    return out
+
+
+def assert_idle(run_out: dict[str, Any]) -> None:
+    assert set(run_out["scheduler_counters"].values()) == {0}, run_out["scheduler_counters"]
+    assert set(run_out["worker_counters"].values()) == {0}, run_out["worker_counters"]
+
+
+def test_e_saves_exactly_what_its_encoder_returned(produced: dict[str, Any]) -> None:
+    assert len(produced["encoded"]) == N
+    assert all(t == [] for t in produced["tokens"])  # an encoder-only instance generates nothing
+    values = stored(produced["url"], hashes_of(produced["params"]))
+    for value in values:
+        assert value is not None
+        matches = [e for e in produced["encoded"] if e.shape == value.shape and torch.equal(e, value)]
+        assert len(matches) == 1, "a stored embedding is not one E's encoder returned"
+    assert_idle(produced)
+
+
+def test_pd_loads_stored_embeddings_instead_of_encoding(
+    vision_model: Path, reference: dict[str, Any], produced: dict[str, Any]
+) -> None:
+    pd = run(vision_model, "ec_consumer", produced["url"], produced["params"])
+    assert pd["tokens"] == reference["tokens"]
+    loaded = pd["worker"].loader.loaded
+    # An idle V1 engine releases one request to its encoder; every other image was loaded, not encoded.
+    assert len(pd["encoded"]) <= 1
+    assert loaded == N - len(pd["encoded"]) and loaded >= N - 1
+    assert_idle(pd)
+
+
+def test_pd_output_follows_the_stored_embeddings(
+    vision_model: Path, reference: dict[str, Any], produced: dict[str, Any]
+) -> None:
+    """Valid but different embeddings in the store change PD's output: PD really used what it loaded."""
+    hashes = hashes_of(produced["params"])
+    values = stored(produced["url"], hashes)
+    assert all(v is not None for v in values)
+    # Each key now holds the next image's embedding: well-formed, the right shape, the wrong content.
+    rewrite(produced["url"], {h: values[(i + 1) % N] for i, h in enumerate(hashes)})  # type: ignore[misc]
+    pd = run(vision_model, "ec_consumer", produced["url"], produced["params"])
+    changed = sum(a != b for a, b in zip(pd["tokens"], reference["tokens"], strict=True))
+    assert changed == N - len(pd["encoded"]) and changed >= N - 1
+    assert_idle(pd)
+
+
+def test_a_corrupt_stored_embedding_is_encoded_locally(
+    vision_model: Path, reference: dict[str, Any], produced: dict[str, Any]
+) -> None:
+    store_dir = Path(produced["url"][len("file://") :])
+    damaged = 0
+    for path in sorted(p for p in store_dir.rglob("*") if p.is_file()):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # one flipped byte in the payload: the checksum must catch it
+        path.write_bytes(bytes(data))
+        damaged += 1
+    assert damaged == N
+    pd = run(vision_model, "ec_consumer", produced["url"], produced["params"])
+    assert pd["tokens"] == reference["tokens"]
+    assert len(pd["encoded"]) == N
+    assert pd["worker"].loader.loaded == 0
+    assert_idle(pd)
