@@ -46,7 +46,9 @@ def requests() -> list[dict[str, Any]]:
     images = [
         Image.fromarray(rng.integers(0, 255, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)) for _ in range(N)
     ]
-    return [{"prompt": f"w{10 + i} w11 w12 w13", "multi_modal_data": {"image": im}} for i, im in enumerate(images)]
+    return [
+        {"prompt": f"w{10 + i} w11 w12 w13", "multi_modal_data": {"image": im}} for i, im in enumerate(images)
+    ]
 
 
 def run(model: Path, role: str | None, url: str, params: list[Any] | None = None) -> dict[str, Any]:

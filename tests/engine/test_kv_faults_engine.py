@@ -1,0 +1,192 @@
+"""The KV connector's lifecycle and faults in vLLM's real engine.
+
+Aborts while a lookup, a load or a save is in flight; preemption under a small KV cache with chunked
+prefill; a store killed before and during loads; corrupt values. Each ends with the engine healthy (greedy
+tokens and KV bytes equal a reference engine's) and every connector structure and KV block back to zero.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
+from tests.engine.test_kv_engine import (
+    PROMPTS,
+    assert_idle,
+    assert_same_kv,
+    generate,
+    reference,  # noqa: F401  (the module fixture)
+    sampling,
+)
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.vllm
+
+
+def save_prompts(text_model: Path, url: str, **extra: Any) -> None:
+    """Engine 1: compute and save :data:`PROMPTS`, then close (its saves finish first)."""
+    llm = make_llm(text_model, kv=kv_config(backend_url=url, **extra))
+    try:
+        generate(llm, PROMPTS)
+        probe = Probe(llm)
+        assert_idle(probe)
+        assert probe.kv_worker_connector().worker_side.saver.saved > 0
+    finally:
+        close_llm(llm)
+
+
+def internal_ids(probe: Probe, request_id: str) -> list[str]:
+    return [rid for rid in probe.scheduler.requests if rid.startswith(request_id)]
+
+
+def status_of(probe: Probe, request_id: str) -> str | None:
+    ids = internal_ids(probe, request_id)
+    return None if not ids else probe.scheduler.requests[ids[0]].status.name
+
+
+def step_until(probe: Probe, cond: Any, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        probe.llm.llm_engine.step()
+        time.sleep(0.005)
+
+
+def test_aborts_while_a_lookup_a_load_or_a_save_is_in_flight(
+    text_model: Path, engines: list[Any], reference: dict[str, Any], fresh_redis: RedisServer
+) -> None:
+    save_prompts(text_model, fresh_redis.url)
+    llm = make_llm(text_model, kv=kv_config(backend_url=fresh_redis.url, lookup_timeout="1s"))
+    engines.append(llm)
+    probe = Probe(llm)
+    engine = llm.llm_engine
+
+    # 1. A lookup in flight: the store is frozen, so the request waits for its answer; abort it there.
+    fresh_redis.pause()
+    try:
+        engine.add_request("lookup", {"prompt_token_ids": PROMPTS[0]}, sampling())
+        for _ in range(5):
+            engine.step()
+            time.sleep(0.01)
+        assert status_of(probe, "lookup") == "WAITING"
+        assert probe.kv_scheduler_connector().scheduler_side.counts()["lookup_entries"] == 1
+        engine.abort_request(["lookup"])
+        engine.step()
+    finally:
+        fresh_redis.resume()
+
+    # 2. A load in flight: the request parks in WAITING_FOR_REMOTE_KVS while its blocks load; abort it there.
+    engine.add_request("load", {"prompt_token_ids": PROMPTS[1]}, sampling())
+    step_until(probe, lambda: status_of(probe, "load") == "WAITING_FOR_REMOTE_KVS", "a load in flight")
+    engine.abort_request(["load"])
+
+    # 3. A save in flight: with the store frozen the lookup times out (a miss), the prompt is computed and
+    # its saves wait on the frozen store; abort mid-decode.
+    fresh = [t + 1 for t in PROMPTS[2]]
+    fresh_redis.pause()
+    try:
+        engine.add_request("save", {"prompt_token_ids": fresh}, sampling(max_tokens=50))
+        step_until(probe, lambda: status_of(probe, "save") == "RUNNING", "the new prompt to run")
+        for _ in range(3):
+            engine.step()
+        worker = probe.kv_worker_connector().worker_side
+        assert worker.saver.counters()["requests"] > 0, "no save was in flight"
+        engine.abort_request(["save"])
+        engine.step()
+    finally:
+        fresh_redis.resume()
+
+    assert_idle(probe)
+    # The engine is healthy afterwards: loads give the reference tokens and bytes.
+    assert generate(llm, PROMPTS) == reference["tokens"]
+    for prompt, want in zip(PROMPTS, reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
+    assert_idle(probe)
+
+
+def test_preemption_under_a_small_kv_cache_with_chunked_prefill(
+    text_model: Path, engines: list[Any], tmp_path: Path
+) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    small = {"kv_cache_bytes": 16 * 32 << 10, "max_model_len": 320, "max_num_batched_tokens": 64}
+    ref = make_llm(text_model, **small)  # type: ignore[arg-type]
+    engines.append(ref)
+    want = generate(ref, PROMPTS, max_tokens=40)
+    assert Probe(ref).metrics().get("vllm:num_preemptions", 0) > 0, "the cache is not small enough"
+    close_llm(ref)
+    engines.remove(ref)
+
+    save_prompts(text_model, url)
+    llm = make_llm(text_model, kv=kv_config(backend_url=url), **small)  # type: ignore[arg-type]
+    engines.append(llm)
+    probe = Probe(llm)
+    assert generate(llm, PROMPTS, max_tokens=40) == want
+    metrics = probe.metrics()
+    assert metrics["vllm:num_preemptions"] > 0
+    assert metrics["vllm:external_prefix_cache_hits"] > 0
+    assert_idle(probe)
+
+
+def test_a_store_killed_before_or_during_loads_means_recompute_not_a_hang(
+    text_model: Path, engines: list[Any], reference: dict[str, Any], fresh_redis: RedisServer
+) -> None:
+    save_prompts(text_model, fresh_redis.url)
+    llm = make_llm(
+        text_model, kv=kv_config(backend_url=fresh_redis.url, store_timeout="1s", lookup_timeout="1s")
+    )
+    engines.append(llm)
+    probe = Probe(llm)
+    engine = llm.llm_engine
+    # Killed between the lookup and the load: the loads fail, vLLM recomputes those blocks.
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sampling())
+    step_until(
+        probe,
+        lambda: any(r.status.name == "WAITING_FOR_REMOTE_KVS" for r in probe.scheduler.requests.values()),
+        "a load in flight",
+    )
+    fresh_redis.kill()
+    outputs: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine hung on a dead store"
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == reference["tokens"]
+    for prompt, want in zip(PROMPTS, reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)  # recomputed, so the reference's bytes
+    # Dead from the start of a request: a miss, computed locally.
+    started = time.monotonic()
+    other = [[t + 2 for t in p] for p in PROMPTS]
+    generate(llm, other)
+    assert time.monotonic() - started < 30
+    assert_idle(probe)
+
+
+def test_corrupt_stored_values_are_recomputed(
+    text_model: Path, engines: list[Any], reference: dict[str, Any], tmp_path: Path
+) -> None:
+    root = tmp_path / "store"
+    save_prompts(text_model, f"file://{root}")
+    damaged = 0
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x01  # one bit of the payload
+        path.write_bytes(bytes(data))
+        damaged += 1
+    assert damaged >= len(PROMPTS)
+    llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}"))
+    engines.append(llm)
+    probe = Probe(llm)
+    assert generate(llm, PROMPTS) == reference["tokens"]
+    for prompt, want in zip(PROMPTS, reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
+    assert probe.kv_worker_connector().worker_side.loader.failures, "no load failed on a corrupt value"
+    assert_idle(probe)
+    assert BLOCK_SIZE == 32
