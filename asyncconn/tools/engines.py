@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ __all__ = [
     "BLOCK_SIZE",
     "Probe",
     "close_llm",
+    "config_from_json",
     "ec_config",
     "ec_params",
     "engine_env",
@@ -71,6 +73,19 @@ def ec_config(role: str, **extra: Any) -> Any:
     )
 
 
+def config_from_json(text: str, **extra: Any) -> Any:
+    """vLLM's ``ECTransferConfig`` or ``KVTransferConfig`` from the JSON an operator passes to ``vllm serve``
+    (e.g. ``examples/vllm_ec_consumer.json``), with ``extra`` overriding keys of its ``extra_config``."""
+    from vllm.config import ECTransferConfig, KVTransferConfig
+
+    data = json.loads(text)
+    if "ec_connector" in data:
+        data["ec_connector_extra_config"] = {**data.get("ec_connector_extra_config", {}), **extra}
+        return ECTransferConfig(**data)
+    data["kv_connector_extra_config"] = {**data.get("kv_connector_extra_config", {}), **extra}
+    return KVTransferConfig(**data)
+
+
 def make_llm(
     model: Path | str,
     *,
@@ -104,10 +119,8 @@ def make_llm(
         kwargs["kv_transfer_config"] = kv
     if ec is not None:
         kwargs["ec_transfer_config"] = ec
-    if (Path(model) / "tokenizer.json").exists():
+    if "Blip2" in (Path(model) / "config.json").read_text():
         kwargs["limit_mm_per_prompt"] = {"image": 1}
-    else:
-        kwargs["skip_tokenizer_init"] = True
     kwargs.update(overrides)
     return LLM(**kwargs)
 

@@ -29,7 +29,7 @@ from typing import Any
 __all__ = ["MODELS", "ModelSpec", "build_model", "model_cache_dir"]
 
 #: Bumped whenever what a builder writes changes, so an old cached folder is not reused.
-_VERSION = 1
+_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +127,20 @@ def _init_weights(model: Any, std_for: Callable[[str], float]) -> None:
                 param.normal_(0.0, std_for(name))
 
 
+def _word_tokenizer(vocab_size: int, special: dict[str, int]) -> Any:
+    """A word-level tokenizer: ``w<i>`` is token ``i``. Prompts in text and in token ids mean the same."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = dict(special)
+    vocab.update({f"w{i}": i for i in range(len(special), vocab_size)})
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="</s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
 def _build_llama(spec: ModelSpec, out: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -140,13 +154,16 @@ def _build_llama(spec: ModelSpec, out: Path) -> None:
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=False,
     )
+    config.bos_token_id = config.eos_token_id = 1
+    config.pad_token_id = 0
     model = LlamaForCausalLM(config)
     _init_weights(model, lambda _name: spec.std)
     model.save_pretrained(out, safe_serialization=True)
+    special = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, "<mask>": 4}
+    _word_tokenizer(spec.vocab, special).save_pretrained(out)
 
 
 def _build_blip2(spec: ModelSpec, out: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         Blip2Config,
         Blip2ForConditionalGeneration,
@@ -155,16 +172,10 @@ def _build_blip2(spec: ModelSpec, out: Path) -> None:
         Blip2VisionConfig,
         BlipImageProcessor,
         OPTConfig,
-        PreTrainedTokenizerFast,
     )
 
-    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, "<image>": IMAGE_TOKEN_ID}
-    vocab.update({f"w{i}": i for i in range(5, spec.vocab)})
-    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words, unk_token="<unk>", bos_token="</s>", eos_token="</s>", pad_token="<pad>"
-    )
+    special = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, "<image>": IMAGE_TOKEN_ID}
+    tokenizer = _word_tokenizer(spec.vocab, special)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     vision = Blip2VisionConfig(
         hidden_size=64,

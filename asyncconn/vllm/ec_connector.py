@@ -155,6 +155,19 @@ class AsyncConnECConnector(ECConnectorBase):  # type: ignore[misc]
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECConnectorStats | None:
         return AsyncConnECStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """Our counters on vLLM's ``/metrics`` (``asyncconn:ec_*``; asyncconn.vllm.prom)."""
+        from asyncconn.vllm.prom import ec_prom_metrics
+
+        return ec_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # -- worker side ------------------------------------------------------------------------------------
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         if not self.is_consumer:

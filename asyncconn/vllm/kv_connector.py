@@ -237,6 +237,19 @@ class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return AsyncConnKVStats(data)
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """Our counters on vLLM's ``/metrics`` (``asyncconn:kv_*``; asyncconn.vllm.prom)."""
+        from asyncconn.vllm.prom import kv_prom_metrics
+
+        return kv_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()

@@ -42,6 +42,23 @@ def shared_prefix_prompts(n: int = 4, prefix: int = 96, suffix: int = 100, seed:
     return [head + [rng.randrange(5, 1000) for _ in range(suffix)] for _ in range(n)]
 
 
+@pytest.fixture(scope="session")
+def kv_reference(text_model: Path) -> Iterator[dict[str, Any]]:
+    """Tokens and per-block KV of :data:`kvcase.PROMPTS` from an engine without a connector."""
+    from asyncconn.tools.engines import Probe, close_llm, make_llm
+    from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, generate
+
+    llm = make_llm(text_model)
+    try:
+        tokens = generate(llm, PROMPTS)
+        probe = Probe(llm)
+        kv = [probe.prompt_kv(p) for p in PROMPTS]
+        assert all(len(blocks) == FULL_BLOCKS for blocks in kv)
+        yield {"tokens": tokens, "kv": kv}
+    finally:
+        close_llm(llm)
+
+
 @pytest.fixture
 def engines() -> Iterator[list[Any]]:
     """A list the test appends its LLMs to; every one still open is closed afterwards."""

@@ -1,4 +1,4 @@
-"""The EC connector in vLLM's real engine: E (``ec_producer``) saves embeddings, PD (``ec_consumer``) loads them.
+"""The EC connector in vLLM's real engine: E (``ec_producer``) saves embeddings, PD (``ec_consumer``) loads.
 
 What is proven, each by a check that fails if the path was not taken:
 - E's stored values are byte for byte what E's vision encoder returned;
@@ -25,7 +25,7 @@ from asyncconn.store import TensorStore
 from asyncconn.tools.engines import (
     Probe,
     close_llm,
-    ec_config,
+    config_from_json,
     ec_params,
     forward_ec_params,
     make_llm,
@@ -34,6 +34,9 @@ from asyncconn.tools.engines import (
 from asyncconn.tools.tiny_models import IMAGE_SIZE
 
 pytestmark = pytest.mark.vllm
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+PREFIX = "ec:"  # the examples' key_prefix
 
 N = 6
 SAMPLING = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -55,7 +58,13 @@ def run(model: Path, role: str | None, url: str, params: list[Any] | None = None
     """One engine over :func:`requests`; returns tokens, E's params, encoder outputs and connector state."""
     from vllm import SamplingParams
 
-    llm = make_llm(model, ec=None if role is None else ec_config(role, backend_url=url), max_model_len=512)
+    # E and PD are configured from the example files an operator starts from (store URL replaced).
+    ec = None
+    if role is not None:
+        example = EXAMPLES / f"vllm_{role}.json"
+        ec = config_from_json(example.read_text(), backend_url=url)
+        assert ec.ec_role == role
+    llm = make_llm(model, ec=ec, max_model_len=512)
     try:
         probe = Probe(llm)
         sampling: Any = SamplingParams(**SAMPLING)
@@ -98,7 +107,7 @@ def stored(url: str, hashes: list[str]) -> list[torch.Tensor | None]:
     async def read() -> list[torch.Tensor | None]:
         store = await TensorStore.open(url)
         try:
-            return await store.get([store_key("", h) for h in hashes])
+            return await store.get([store_key(PREFIX, h) for h in hashes])
         finally:
             await store.close()
 
@@ -109,7 +118,7 @@ def rewrite(url: str, values: dict[str, torch.Tensor]) -> None:
     async def write() -> None:
         store = await TensorStore.open(url)
         try:
-            await store.put([(store_key("", h), v) for h, v in values.items()])
+            await store.put([(store_key(PREFIX, h), v) for h, v in values.items()])
         finally:
             await store.close()
 

@@ -14,14 +14,7 @@ from typing import Any
 import pytest
 
 from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
-from tests.engine.test_kv_engine import (
-    PROMPTS,
-    assert_idle,
-    assert_same_kv,
-    generate,
-    reference,  # noqa: F401  (the module fixture)
-    sampling,
-)
+from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate, sampling
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.vllm
@@ -58,7 +51,7 @@ def step_until(probe: Probe, cond: Any, what: str, timeout: float = 20.0) -> Non
 
 
 def test_aborts_while_a_lookup_a_load_or_a_save_is_in_flight(
-    text_model: Path, engines: list[Any], reference: dict[str, Any], fresh_redis: RedisServer
+    text_model: Path, engines: list[Any], kv_reference: dict[str, Any], fresh_redis: RedisServer
 ) -> None:
     save_prompts(text_model, fresh_redis.url)
     llm = make_llm(text_model, kv=kv_config(backend_url=fresh_redis.url, lookup_timeout="1s"))
@@ -103,8 +96,8 @@ def test_aborts_while_a_lookup_a_load_or_a_save_is_in_flight(
 
     assert_idle(probe)
     # The engine is healthy afterwards: loads give the reference tokens and bytes.
-    assert generate(llm, PROMPTS) == reference["tokens"]
-    for prompt, want in zip(PROMPTS, reference["kv"], strict=True):
+    assert generate(llm, PROMPTS) == kv_reference["tokens"]
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)
     assert_idle(probe)
 
@@ -133,7 +126,7 @@ def test_preemption_under_a_small_kv_cache_with_chunked_prefill(
 
 
 def test_a_store_killed_before_or_during_loads_means_recompute_not_a_hang(
-    text_model: Path, engines: list[Any], reference: dict[str, Any], fresh_redis: RedisServer
+    text_model: Path, engines: list[Any], kv_reference: dict[str, Any], fresh_redis: RedisServer
 ) -> None:
     save_prompts(text_model, fresh_redis.url)
     llm = make_llm(
@@ -158,8 +151,8 @@ def test_a_store_killed_before_or_during_loads_means_recompute_not_a_hang(
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
-    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == reference["tokens"]
-    for prompt, want in zip(PROMPTS, reference["kv"], strict=True):
+    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == kv_reference["tokens"]
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)  # recomputed, so the reference's bytes
     # Dead from the start of a request: a miss, computed locally.
     started = time.monotonic()
@@ -170,7 +163,7 @@ def test_a_store_killed_before_or_during_loads_means_recompute_not_a_hang(
 
 
 def test_corrupt_stored_values_are_recomputed(
-    text_model: Path, engines: list[Any], reference: dict[str, Any], tmp_path: Path
+    text_model: Path, engines: list[Any], kv_reference: dict[str, Any], tmp_path: Path
 ) -> None:
     root = tmp_path / "store"
     save_prompts(text_model, f"file://{root}")
@@ -184,8 +177,8 @@ def test_corrupt_stored_values_are_recomputed(
     llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}"))
     engines.append(llm)
     probe = Probe(llm)
-    assert generate(llm, PROMPTS) == reference["tokens"]
-    for prompt, want in zip(PROMPTS, reference["kv"], strict=True):
+    assert generate(llm, PROMPTS) == kv_reference["tokens"]
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)
     assert probe.kv_worker_connector().worker_side.loader.failures, "no load failed on a corrupt value"
     assert_idle(probe)

@@ -1,0 +1,135 @@
+"""The connectors' figures as Prometheus counters on vLLM's own ``/metrics`` endpoint.
+
+vLLM hands each connector class its metric types (multiprocess-safe when the API server runs several
+processes) and later the interval stats its connectors reported (``KVConnectorStats.to_dict()`` /
+``ECConnectorStats.data``). Each declared name becomes ``asyncconn:<kind>_<name>`` (exposed by the
+Prometheus client with a ``_total`` suffix), labelled per engine like vLLM's own series. Latency
+histograms stay in vLLM's connector log lines: they are kept as our own bucket counts, which a Prometheus
+histogram cannot take without re-observing every sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["EC_COUNTERS", "ec_prom_metrics", "kv_prom_metrics"]
+
+#: The EC figures exported (stats keys; per-reason load failures are summed into ``load_failed``).
+EC_COUNTERS = (
+    "lookups",
+    "lookup_hits",
+    "lookup_misses",
+    "lookup_timeouts",
+    "lookup_errors",
+    "admit_prefetched",
+    "encode_stalled",
+    "encode_budget",
+    "prefetches",
+    "loaded",
+    "loaded_bytes",
+    "load_failed",
+    "saves",
+    "saved_bytes",
+    "saves_done",
+    "saves_confirmed",
+    "saves_unconfirmed",
+)
+
+
+def _unregister(name: str) -> None:
+    """Drop a collector of this name left by an earlier engine in this process (as vLLM does for its own).
+
+    Why: a second in-process engine registers the same series again, which the registry refuses.
+    """
+    from prometheus_client import REGISTRY
+
+    names = getattr(REGISTRY, "_collector_to_names", {})
+    for collector, registered in list(names.items()):
+        if any(n == name or n.startswith(name + "_") for n in registered):
+            REGISTRY.unregister(collector)
+
+
+class _Counters:
+    """One per-engine counter child per name; ``observe`` adds an interval's values."""
+
+    def __init__(
+        self,
+        counter_cls: Any,
+        kind: str,
+        names: Iterable[str],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self.children: dict[str, dict[int, Any]] = {}
+        for name in names:
+            _unregister(f"asyncconn:{kind}_{name}")
+            metric = counter_cls(
+                name=f"asyncconn:{kind}_{name}",
+                documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')}",
+                labelnames=labelnames,
+            )
+            self.children[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, data: Mapping[str, Any], engine_idx: int) -> None:
+        for name, per_engine in self.children.items():
+            value = data.get(name)
+            child = per_engine.get(engine_idx)
+            if child is not None and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                child.inc(value)
+
+
+def kv_prom_metrics(
+    vllm_config: Any,
+    metric_types: Any,
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> Any:
+    """``AsyncConnKVConnector.build_prom_metrics``: every counter of :data:`kv_meta.COUNTERS`."""
+    from prometheus_client import Counter
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+    from asyncconn.vllm.kv_meta import COUNTERS
+
+    class AsyncConnKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = _Counters(
+                metric_types[Counter], "kv", COUNTERS, labelnames, per_engine_labelvalues
+            )
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            self._counters.observe(transfer_stats_data, engine_idx)
+
+    return AsyncConnKVPromMetrics()
+
+
+def ec_prom_metrics(
+    vllm_config: Any,
+    metric_types: Any,
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> Any:
+    """``AsyncConnECConnector.build_prom_metrics``: the counters of :data:`EC_COUNTERS`."""
+    from prometheus_client import Counter
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics
+
+    class AsyncConnECPromMetrics(ECConnectorPromMetrics):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = _Counters(
+                metric_types[Counter], "ec", EC_COUNTERS, labelnames, per_engine_labelvalues
+            )
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            data = dict(transfer_stats_data)
+            data["load_failed"] = sum(
+                v
+                for k, v in transfer_stats_data.items()
+                if k.startswith("load_failed_") and isinstance(v, int)
+            )
+            self._counters.observe(data, engine_idx)
+
+    return AsyncConnECPromMetrics()

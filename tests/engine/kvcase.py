@@ -1,0 +1,43 @@
+"""What the KV engine tests share: the prompts, greedy generation, and the checks on bytes and leaks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asyncconn.tools.engines import BLOCK_SIZE, Probe, token_ids
+from tests.engine.conftest import shared_prefix_prompts
+
+PROMPTS = shared_prefix_prompts()
+FULL_BLOCKS = len(PROMPTS[0]) // BLOCK_SIZE  # 196 tokens: 6 full blocks, the last 4 tokens computed
+
+
+def sampling(max_tokens: int = 8) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    return token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], sampling(max_tokens)))
+
+
+def assert_same_kv(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.keys() == b.keys()
+        for layer in a:
+            assert torch.equal(a[layer], b[layer]), f"block {i} of layer {layer} differs from the reference"
+
+
+def assert_idle(probe: Probe) -> None:
+    """Every connector structure and every KV block back to zero / free once the engine is settled."""
+    probe.settle()
+    worker = probe.kv_worker_connector()
+    assert worker is not None
+    assert set(worker.worker_side.counts().values()) == {0}, worker.worker_side.counts()
+    scheduler = probe.kv_scheduler_connector()
+    assert set(scheduler.scheduler_side.counts().values()) == {0}, scheduler.scheduler_side.counts()
+    free, total = probe.free_blocks()
+    assert free == total
