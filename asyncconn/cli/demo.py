@@ -1,9 +1,10 @@
-"""``asyncconn demo``: the library end to end against vLLM's real scheduler, on an embedded store.
+"""``asyncconn demo``: the library end to end in vLLM's real engine, on an embedded store.
 
 Runs each demo *part* -- a function returning ``{"title", "figures", "checks"}`` -- and prints the
-summaries; exits 1 if any check failed. Parts are listed in :data:`PARTS` by import path, so a part can be
-added (the KV wave) without touching the others. ``--bench`` measures the EC connector's scheduler-side
-costs instead (docs/ec.md).
+summaries; exits 1 if any check failed. Parts are listed in :data:`PARTS` by import path. The default
+parts, ``ec`` and ``kv``, run vLLM's real engine (docs/engine.md); ``ec-sim`` and ``kv-sim`` run vLLM's
+real scheduler with a simulated model runner (docs/simulator.md), in a second. ``--bench`` measures the
+EC connector's scheduler-side costs instead (docs/ec.md).
 
 Exit codes: 0 every check passed, 1 a check failed, 2 bad usage (an unknown part, a bad store URL).
 """
@@ -23,13 +24,17 @@ from typing import Any
 
 from asyncconn.exceptions import AsyncConnError
 
-__all__ = ["PARTS", "add_arguments", "print_summary", "run"]
+__all__ = ["DEFAULT_PARTS", "PARTS", "add_arguments", "print_summary", "run"]
 
 #: name -> "module:function"; each function is called as fn(backend_url, workdir) -> summary dict.
 PARTS: dict[str, str] = {
-    "ec": "asyncconn.vllm.ec_demo:run_ec_demo",
-    "kv": "asyncconn.vllm.kv_demo:demo_part",
+    "ec": "asyncconn.tools.engine_demo:ec_part",
+    "kv": "asyncconn.tools.engine_demo:kv_part",
+    "ec-sim": "asyncconn.vllm.ec_demo:run_ec_demo",
+    "kv-sim": "asyncconn.vllm.kv_demo:demo_part",
 }
+#: What runs without ``--parts``: the real engine.
+DEFAULT_PARTS = ("ec", "kv")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--parts",
-        default=",".join(PARTS),
-        help=f"comma-separated parts to run (default: {','.join(PARTS)})",
+        default=",".join(DEFAULT_PARTS),
+        help=f"comma-separated parts to run, of {', '.join(PARTS)} (default: {','.join(DEFAULT_PARTS)})",
     )
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
     parser.add_argument(
@@ -68,8 +73,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from asyncconn.tools.engines import engine_env
+
+    engine_env()
     # vLLM's start-up warnings about the CPU platform (no Triton, block size) say nothing about the demo.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if not getattr(args, "verbose", 0):

@@ -200,6 +200,23 @@ class Probe:
             self.llm.llm_engine.step()
             time.sleep(0.002)
 
+    def ec_saves_done(self, timeout: float = 30.0) -> None:
+        """Wait until E's worker has seen every embedding save end (an idle engine runs no worker hook)."""
+        import time
+
+        connector = self.ec_worker_connector()
+        if connector is None:
+            return
+        worker = connector.worker
+        deadline = time.monotonic() + timeout
+        while True:
+            worker.end_step()
+            if not worker.has_pending_saves():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"EC saves still pending after {timeout}s")
+            time.sleep(0.005)
+
     def free_blocks(self) -> tuple[int, int]:
         """(free, total) KV blocks of the engine's pool: equal when nothing is held."""
         pool = self.scheduler.kv_cache_manager.block_pool

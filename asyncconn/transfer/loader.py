@@ -336,6 +336,8 @@ class StreamLoader:
         self._release(load)
         load.state = _DONE
         out, load.out = load.out, None
+        if out is not None:  # the value's bytes, not the staging bound a NewTensor(max_nbytes) asked for
+            nbytes = out.numel() * out.element_size()
         if load.cancelled:
             return
         if out is not None:

@@ -73,6 +73,7 @@ def run(model: Path, role: str | None, url: str, params: list[Any] | None = None
         with probe.encoder_outputs() as encoded:
             outputs = llm.generate(requests(), sampling)
         probe.settle()
+        probe.ec_saves_done()
         out: dict[str, Any] = {"tokens": token_ids(outputs), "params": ec_params(outputs), "encoded": encoded}
         if role is not None:
             scheduler = probe.ec_scheduler_connector().scheduler

@@ -15,7 +15,7 @@ from asyncconn.cli.main import main
 
 
 def test_demo_runs_e_and_pd_and_every_check_passes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--json"]) == 0
+    assert main(["demo", "--parts", "ec-sim,kv-sim", "--json"]) == 0
     ec, kv = json.loads(capsys.readouterr().out)
     for summary in (ec, kv):
         assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
@@ -31,7 +31,7 @@ def test_demo_on_a_real_mooncake_store(capsys: pytest.CaptureFixture[str], moonc
     url = mooncake_master.url(
         segment="64MiB", buffer="32MiB", timeout="5s", prefix=f"demo-{uuid.uuid4().hex[:8]}/"
     )
-    assert main(["demo", "--backend", url, "--json"]) == 0
+    assert main(["demo", "--parts", "ec-sim,kv-sim", "--backend", url, "--json"]) == 0
     ec, kv = json.loads(capsys.readouterr().out)
     for summary in (ec, kv):
         assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
@@ -40,7 +40,7 @@ def test_demo_on_a_real_mooncake_store(capsys: pytest.CaptureFixture[str], moonc
 
 
 def test_demo_on_a_given_backend_prints_a_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert main(["demo", "--backend", f"file://{tmp_path / 'store'}"]) == 0
+    assert main(["demo", "--parts", "ec-sim", "--backend", f"file://{tmp_path / 'store'}"]) == 0
     out = capsys.readouterr().out
     assert "[PASS] PD's encoder ran for a stored image only on a stalled engine's release" in out
     assert "[FAIL]" not in out
