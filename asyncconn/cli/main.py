@@ -27,6 +27,7 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "backend": ("asyncconn.cli.bench_backend", "put/get/exists throughput and latency of a store"),
     "lookup": ("asyncconn.cli.bench_lookup", "lookup client cost on the caller's thread and throughput"),
     "transfer": ("asyncconn.cli.bench_transfer", "stream loader and save tracker figures"),
+    "gpu": ("asyncconn.cli.bench_gpu", "KV load/save and EC install through the worker sides, on CUDA"),
     "kv": (
         "asyncconn.cli.bench_kv",
         "KV connector: schedule() with lookups, wait_for_save, blocks per value",
