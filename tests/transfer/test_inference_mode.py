@@ -81,7 +81,7 @@ def test_the_cuda_path_under_inference_mode(runtime: Runtime, store: TensorStore
 
     emb = torch.randn(5, 7)
     blocks = torch.randn(2, 3, 4, 8).to(torch.float16)  # [K/V, 3 blocks, ...]
-    runtime.run(store.put([("emb", emb), ("blocks", blocks)]))
+    runtime.run(store.put([("emb", emb), ("blocks", blocks), ("any", emb[:2])]))
     cache = torch.zeros(2, 16, 4, 8, dtype=torch.float16, device="cuda")
     loader = StreamLoader(
         store, runtime=runtime, device=load_device, pool=PinnedPool(1 << 20, device=load_device)
@@ -93,7 +93,6 @@ def test_the_cuda_path_under_inference_mode(runtime: Runtime, store: TensorStore
         loader.submit("emb", NewTensor(tuple(emb.shape), emb.dtype))
         loader.submit("any", NewTensor(max_nbytes=4096))
         loader.submit("blocks", BlockDest(cache, (9, 2, 5), dim=1))  # scattered through a device temporary
-        runtime.run(store.put([("any", emb[:2])]))
         results = drain_loads(loader, 3)
         value = torch.randn(4, 8, device="cuda")  # an inference tensor, like vLLM's encoder outputs
         assert tracker.submit("req", "saved", value)
