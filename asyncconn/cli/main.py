@@ -31,6 +31,7 @@ _BENCHES: dict[str, tuple[str, str]] = {
         "asyncconn.cli.bench_engine",
         "vLLM's real engine: TTFT on a shared prefix vs recompute, decode with/without, EC per request",
     ),
+    "gpu": ("asyncconn.cli.bench_gpu", "KV load/save and EC install through the worker sides, on CUDA"),
     "kv": (
         "asyncconn.cli.bench_kv",
         "KV connector: schedule() with lookups, wait_for_save, blocks per value",

@@ -7,7 +7,15 @@ the save tracker's on its copy thread (the CPU's "side stream").
 
 from __future__ import annotations
 
-from asyncconn.transfer._device import CpuDevice, CudaDevice, TransferDevice, default_device
+from asyncconn.transfer._device import (
+    LOAD_PRIORITY,
+    SAVE_PRIORITY,
+    CpuDevice,
+    CudaDevice,
+    TransferDevice,
+    default_device,
+    engine_devices,
+)
 from asyncconn.transfer.dest import BlockDest, Destination, NewTensor
 from asyncconn.transfer.failures import Failure
 from asyncconn.transfer.lazy import LazyTensor, Pieces, Shared, Slice
@@ -16,6 +24,8 @@ from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 from asyncconn.transfer.saver import SaveTracker
 
 __all__ = [
+    "LOAD_PRIORITY",
+    "SAVE_PRIORITY",
     "BlockDest",
     "CpuDevice",
     "CudaDevice",
@@ -33,4 +43,5 @@ __all__ = [
     "StreamLoader",
     "TransferDevice",
     "default_device",
+    "engine_devices",
 ]

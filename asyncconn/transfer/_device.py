@@ -17,6 +17,10 @@ choice -- allocate on the default stream and make the side stream ``wait_stream(
 serialize every load behind all the compute queued at the time of the copy, which is exactly the stall this
 module exists to remove.
 
+One side stream per engine. A loader and a save tracker each own a device (:func:`engine_devices`), so a
+load is never queued behind the snapshot copies a save issued before it, and the loader's stream has the
+higher priority (:data:`LOAD_PRIORITY`): a load is what a waiting request waits for, a save is not.
+
 Inference mode. vLLM runs its worker thread under ``torch.inference_mode()``, and a tensor created there is an
 *inference tensor*: an in-place write to it from any thread outside inference mode (the loop reading a value
 into staging, the copy thread filling a snapshot) raises. Every host buffer is therefore allocated with
@@ -38,7 +42,24 @@ from typing import ClassVar, Protocol
 
 import torch
 
-__all__ = ["DONE", "CopyPairs", "CpuDevice", "CudaDevice", "Event", "TransferDevice", "default_device"]
+__all__ = [
+    "DONE",
+    "LOAD_PRIORITY",
+    "SAVE_PRIORITY",
+    "CopyPairs",
+    "CpuDevice",
+    "CudaDevice",
+    "Event",
+    "TransferDevice",
+    "default_device",
+    "engine_devices",
+]
+
+#: CUDA stream priorities (torch: a lower number is a higher priority; out-of-range values are clamped to
+#: the device's range). A load is on the forward path of a waiting request and a save is not, so when both
+#: side streams have copies ready the GPU's copy engines take the load's first.
+LOAD_PRIORITY = -1
+SAVE_PRIORITY = 0
 
 
 def _normal_tensors() -> torch.inference_mode:
@@ -104,6 +125,15 @@ class TransferDevice(abc.ABC):
     def hand_over(self, tensor: torch.Tensor) -> None:
         """Make a tensor made by :meth:`empty` safe to use and free on the caller's current stream."""
 
+    def sibling(self, *, priority: int = 0) -> TransferDevice:
+        """A new device on the same hardware with a side stream of its own (at ``priority`` on CUDA).
+
+        Why: an engine owns its stream. A loader and a save tracker sharing one would queue every load
+        behind the save copies issued before it -- on the path of a request waiting for its KV. A device
+        class of one's own that a connector's worker should split overrides this.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot make a sibling device")
+
 
 class CpuDevice(TransferDevice):
     """Synchronous copies on CPU tensors; every event is :data:`DONE`. The CI and no-GPU path."""
@@ -134,20 +164,28 @@ class CpuDevice(TransferDevice):
     def hand_over(self, tensor: torch.Tensor) -> None:
         return None
 
+    def sibling(self, *, priority: int = 0) -> CpuDevice:
+        return CpuDevice()
+
 
 class CudaDevice(TransferDevice):
-    """One side stream per instance (the loader and the save tracker each own one) on one CUDA device."""
+    """One side stream per instance (the loader and the save tracker each own one) on one CUDA device.
+
+    ``priority`` is the side stream's (:data:`LOAD_PRIORITY` for a loader, :data:`SAVE_PRIORITY` for a
+    save tracker); :attr:`priority` is the one CUDA granted after clamping.
+    """
 
     scatter_via_device: ClassVar[bool] = True
 
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
+    def __init__(self, device: torch.device | str | int | None = None, *, priority: int = 0) -> None:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if dev.type != "cuda":
             raise ValueError(f"CudaDevice needs a cuda device, got {dev}")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
-        self.stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+        self.stream = torch.cuda.Stream(device=dev, priority=priority)  # type: ignore[no-untyped-call]
+        self.priority: int = self.stream.priority
 
     @property
     def pinned(self) -> bool:
@@ -184,14 +222,30 @@ class CudaDevice(TransferDevice):
     def hand_over(self, tensor: torch.Tensor) -> None:
         tensor.record_stream(torch.cuda.current_stream(self.device))
 
+    def sibling(self, *, priority: int = 0) -> CudaDevice:
+        return CudaDevice(self.device, priority=priority)
 
-def default_device(device: torch.device | str | int | None = None) -> TransferDevice:
-    """CUDA when asked for (or, with no argument, when available); the synchronous CPU device otherwise."""
+
+def default_device(device: torch.device | str | int | None = None, *, priority: int = 0) -> TransferDevice:
+    """CUDA when asked for (or, with no argument, when available); the synchronous CPU device otherwise.
+
+    Every call makes a new device, so a new side stream (at ``priority``) on CUDA.
+    """
     if device is None:
-        return CudaDevice() if torch.cuda.is_available() else CpuDevice()
+        return CudaDevice(priority=priority) if torch.cuda.is_available() else CpuDevice()
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if dev.type == "cuda":
-        return CudaDevice(dev)
+        return CudaDevice(dev, priority=priority)
     if dev.type == "cpu":
         return CpuDevice()
     raise ValueError(f"transfers support cpu and cuda devices, not {dev}")
+
+
+def engine_devices(
+    device: torch.device | str | int | None = None,
+) -> tuple[TransferDevice, TransferDevice]:
+    """``(loader's, save tracker's)``: the same hardware, a side stream each, loads at the higher priority.
+
+    What a connector's worker hands its two engines; one device for both would put loads behind saves.
+    """
+    return default_device(device, priority=LOAD_PRIORITY), default_device(device, priority=SAVE_PRIORITY)

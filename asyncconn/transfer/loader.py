@@ -40,7 +40,7 @@ import torch
 from asyncconn.exceptions import DuplicateTransfer, PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import Fetch, TensorStore
-from asyncconn.transfer._device import Event, TransferDevice, default_device
+from asyncconn.transfer._device import LOAD_PRIORITY, Event, TransferDevice, default_device
 from asyncconn.transfer.dest import BlockDest, Destination, NewTensor
 from asyncconn.transfer.failures import Failure, classify
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
@@ -128,7 +128,7 @@ class StreamLoader:
             raise TransferError(f"max_inflight must be > 0, got {max_inflight}")
         self.store = store
         self.runtime = runtime if runtime is not None else get_runtime()
-        self.device = device if device is not None else default_device()
+        self.device = device if device is not None else default_device(priority=LOAD_PRIORITY)
         self.pool = pool if pool is not None else PinnedPool(device=self.device)
         self.max_inflight = max_inflight
         self._loads: dict[str, _Load] = {}  # live (not cancelled, not reported) loads by key

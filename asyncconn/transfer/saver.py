@@ -65,7 +65,7 @@ from asyncconn import codec
 from asyncconn.exceptions import PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import LoopFuture, Runtime, get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer._device import CpuDevice, Event, TransferDevice, default_device
+from asyncconn.transfer._device import SAVE_PRIORITY, CpuDevice, Event, TransferDevice, default_device
 from asyncconn.transfer.copythread import CopyThread
 from asyncconn.transfer.failures import Failure, classify
 from asyncconn.transfer.lazy import LazyTensor, Pieces
@@ -269,7 +269,7 @@ class SaveTracker:
             raise TransferError(f"put_batch must be > 0, got {put_batch}")
         self.store = store
         self.runtime = runtime if runtime is not None else get_runtime()
-        self.device = device if device is not None else default_device()
+        self.device = device if device is not None else default_device(priority=SAVE_PRIORITY)
         self.pool = pool if pool is not None else PinnedPool(device=self.device)
         self.skip_existing = skip_existing
         self.recent_keys = recent_keys

@@ -36,7 +36,7 @@ from asyncconn.lookup.protocol import store_key
 from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import LoadResult, NewTensor, PinnedPool, SaveTracker, StreamLoader
-from asyncconn.transfer._device import TransferDevice, default_device
+from asyncconn.transfer._device import LOAD_PRIORITY, SAVE_PRIORITY, TransferDevice, default_device
 from asyncconn.vllm.ec_meta import ECStepMetadata, ECWorkerReport, ItemRef
 
 __all__ = ["ECWorker"]
@@ -64,6 +64,9 @@ class ECWorker:
         self.consumer = consumer
         self.worker_id = uuid.uuid4().hex[:12]
         self.runtime = runtime if runtime is not None else get_runtime()
+        # ``device`` names the hardware; the loader and the save tracker each get a device of their own
+        # on it (a side stream each on CUDA, loads at the higher priority): one shared stream would queue
+        # a prefetch behind the save copies issued before it.
         self.device = device if device is not None else default_device()
         self._owns_store = store is None
         self.store = store if store is not None else self._open_store()
@@ -74,7 +77,7 @@ class ECWorker:
             self.loader = StreamLoader(
                 self.store,
                 runtime=self.runtime,
-                device=self.device,
+                device=self.device.sibling(priority=LOAD_PRIORITY),
                 pool=self.pool,
                 max_inflight=settings.max_inflight_loads,
             )
@@ -82,7 +85,7 @@ class ECWorker:
             self.saver = SaveTracker(
                 self.store,
                 runtime=self.runtime,
-                device=self.device,
+                device=self.device.sibling(priority=SAVE_PRIORITY),
                 pool=self.pool,
                 skip_existing=settings.save_skip_existing,
             )

@@ -37,7 +37,7 @@ from asyncconn.exceptions import BackendTimeout, ConfigError
 from asyncconn.lookup import PREFIX, LookupConfig, open_lookup_client
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, default_device
+from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_devices
 from asyncconn.url import redact
 from asyncconn.vllm.kv_keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv_meta import AsyncConnKVMetadata, AsyncConnKVStats
@@ -144,13 +144,13 @@ class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
             raise BackendTimeout(
                 f"{redact(settings.backend_url)}: not open after {settings.connect_timeout:g}s"
             ) from None
-        device = default_device()
-        pool = PinnedPool(settings.pinned_pool_bytes, device=device)
+        load_device, save_device = engine_devices()  # a side stream each: loads never queue behind saves
+        pool = PinnedPool(settings.pinned_pool_bytes, device=load_device)
         loader = StreamLoader(
-            store, runtime=runtime, device=device, pool=pool, max_inflight=settings.max_inflight_loads
+            store, runtime=runtime, device=load_device, pool=pool, max_inflight=settings.max_inflight_loads
         )
         saver = SaveTracker(
-            store, runtime=runtime, device=device, pool=pool, skip_existing=settings.save_skip_existing
+            store, runtime=runtime, device=save_device, pool=pool, skip_existing=settings.save_skip_existing
         )
         return KVWorkerSide(
             keys,

@@ -5,7 +5,9 @@ which values to load into which blocks, which values to save from which blocks, 
 preempted this step. Values are named by the block hash of their last block; each worker derives its own
 rank's store key from it (:class:`asyncconn.vllm.kv_keys.KeySpace`).
 
-The stats object is vLLM's ``KVConnectorStats`` contract: counters add up across workers and intervals,
+Both derive from vLLM's base classes, or -- where vLLM is not installed at all -- from same-shaped stand-ins
+(:mod:`asyncconn.vllm._bases`), so the worker side runs without vLLM. The stats object is vLLM's
+``KVConnectorStats`` contract: counters add up across workers and intervals,
 latency histograms (the lookup client's fixed buckets) add up bucket by bucket.
 """
 
@@ -15,10 +17,15 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-
 from asyncconn.lookup.metrics import LATENCY_BUCKETS_MS
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ModuleNotFoundError as exc:  # vLLM not installed (the worker side alone, e.g. on a GPU test machine)
+    if exc.name != "vllm":
+        raise  # vLLM is there but broken or of another layout: say so, never run on stand-ins
+    from asyncconn.vllm._bases import KVConnectorMetadata, KVConnectorStats  # type: ignore[assignment]
 
 __all__ = [
     "COUNTERS",

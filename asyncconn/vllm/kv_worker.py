@@ -122,6 +122,11 @@ class KVWorkerSide:
         load_timeout: float = 10.0,
         preempt_timeout: float = 5.0,
     ) -> None:
+        if loader.device is saver.device:
+            raise ConfigError(
+                "KV connector: the loader and the save tracker need a device each (engine_devices()): "
+                "on one side stream every load would wait for the save copies issued before it"
+            )
         self.keys = keys
         self.store = store
         self.loader = loader

@@ -7,11 +7,20 @@ encoded every item itself). These tests run the engines exactly that way and fai
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import CpuDevice, NewTensor, PinnedPool, SaveTracker, StreamLoader
+from asyncconn.transfer import (
+    BlockDest,
+    CpuDevice,
+    NewTensor,
+    PinnedPool,
+    SaveTracker,
+    StreamLoader,
+    engine_devices,
+)
 from tests.transfer.helpers import drain_loads, drain_saves, same_bytes
 
 
@@ -55,3 +64,50 @@ def test_a_save_submitted_under_inference_mode_is_stored(runtime: Runtime, store
         (back,) = runtime.run(store.get([f"k{copy_thread}"]))
         assert back is not None and same_bytes(back, value)
         tracker.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda unavailable)")
+def test_the_cuda_path_under_inference_mode(runtime: Runtime, store: TensorStore) -> None:
+    """The same trap on CUDA: pinned staging, loaded tensors and the scatter temporary are normal tensors,
+    and loads and saves issued from an inference-mode thread land."""
+    load_device, save_device = engine_devices("cuda")
+    with torch.inference_mode():
+        host = load_device.alloc_host(64)
+        out = load_device.empty((2, 3), torch.float32)
+    assert host.is_pinned() and not host.is_inference() and not out.is_inference()
+    host.fill_(1)
+    out.zero_()
+
+    emb = torch.randn(5, 7)
+    blocks = torch.randn(2, 3, 4, 8).to(torch.float16)  # [K/V, 3 blocks, ...]
+    runtime.run(store.put([("emb", emb), ("blocks", blocks), ("any", emb[:2])]))
+    cache = torch.zeros(2, 16, 4, 8, dtype=torch.float16, device="cuda")
+    loader = StreamLoader(
+        store, runtime=runtime, device=load_device, pool=PinnedPool(1 << 20, device=load_device)
+    )
+    tracker = SaveTracker(
+        store, runtime=runtime, device=save_device, pool=PinnedPool(1 << 20, device=save_device)
+    )
+    with torch.inference_mode():
+        loader.submit("emb", NewTensor(tuple(emb.shape), emb.dtype))
+        loader.submit("any", NewTensor(max_nbytes=4096))
+        loader.submit("blocks", BlockDest(cache, (9, 2, 5), dim=1))  # scattered through a device temporary
+        results = drain_loads(loader, 3)
+        value = torch.randn(4, 8, device="cuda")  # an inference tensor, like vLLM's encoder outputs
+        assert tracker.submit("req", "saved", value)
+        tracker.flush()
+        drain_saves(tracker, ["req"])
+    for key, expected in (("emb", emb), ("any", emb[:2])):
+        tensor = results[key].tensor
+        assert results[key].ok and tensor is not None, results[key].detail
+        assert tensor.is_cuda and not tensor.is_inference()
+        assert same_bytes(tensor.cpu(), expected)
+    assert results["blocks"].ok, results["blocks"].detail
+    torch.cuda.synchronize()
+    for i, block in enumerate((9, 2, 5)):
+        assert same_bytes(cache[:, block].cpu(), blocks[:, i])
+    (back,) = runtime.run(store.get(["saved"]))
+    assert back is not None and same_bytes(back, value.cpu())
+    loader.close()
+    tracker.close()
