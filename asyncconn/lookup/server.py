@@ -486,9 +486,12 @@ class LookupServer:
         prefix = self.key_prefix
         flat = [protocol.store_key(prefix, k) for _, q in parsed if q is not None for k in q.keys]
         present: list[bool] | None = []
+        # A large request is alone in its batch. Only its leading present keys count for lookup/prefix:
+        # stop at the first store call that finds a miss.
+        prefix_only = len(parsed) == 1 and parsed[0][1] is not None and parsed[0][1].kind is not Kind.EXISTS
         if flat:
             try:
-                present = await self._exists(flat)
+                present = await self._exists(flat, prefix_only=prefix_only)
             except AsyncConnError as exc:
                 stats.store_errors += 1
                 self._throttle.note("store failures", f"{len(parsed)} requests answered with errors: {exc}")
@@ -518,12 +521,14 @@ class LookupServer:
         if not send_nowait(sock, frames):  # the peer's queue is full or it is gone
             self.stats.dropped_replies += 1
 
-    async def _exists(self, keys: list[str]) -> list[bool]:
+    async def _exists(self, keys: list[str], *, prefix_only: bool = False) -> list[bool]:
         """One store call per ``batch_keys`` keys, one after the other.
 
         Why not all at once: a store client builds and parses a large call in one go on the loop (redis-py
         packs every command of a pipeline before sending any), and the other batches -- small lookups of
         other clients among them -- wait for the loop meanwhile. Small calls interleave with them.
+        With ``prefix_only`` (one lookup/prefix request: only its leading present keys count) the calls
+        stop at the first that finds a miss; the keys not asked are reported absent.
         """
         step = self.batch_keys
         if len(keys) <= step:
@@ -531,6 +536,8 @@ class LookupServer:
         present: list[bool] = []
         for i in range(0, len(keys), step):
             present += await self.store.exists(keys[i : i + step])
+            if prefix_only and not all(present[i:]):
+                return present + [False] * (len(keys) - len(present))
         return present
 
     def _reply_for(self, query: Query, seg: list[bool] | None) -> bytes:
