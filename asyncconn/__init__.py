@@ -37,6 +37,7 @@ from asyncconn.exceptions import (
     SimulationError,
     TransferError,
     UnknownSchemeError,
+    UsedAfterFork,
 )
 from asyncconn.runtime import Runtime, get_runtime, shutdown_runtime
 from asyncconn.store import Fetch, StoreStats, TensorStore
@@ -64,6 +65,7 @@ __all__ = [
     "PoolTooSmall",
     "Runtime",
     "RuntimeClosed",
+    "UsedAfterFork",
     "RuntimeStateError",
     "Settings",
     "SimulationError",

@@ -21,7 +21,8 @@ boundary where they enter, so callers -- vLLM adapters above all -- only ever ne
     │   └── BackendTimeout          the store did not answer within the timeout
     ├── RuntimeStateError           misuse of the loop runtime (closed, or blocking on its own thread)
     │   ├── RuntimeClosed
-    │   └── LoopThreadBlocked
+    │   ├── LoopThreadBlocked
+    │   └── UsedAfterFork           a runtime, future or store of the parent process used in a forked child
     ├── TransferError               a transfer engine (loader, save tracker, pinned pool) refused a request
     │   ├── PoolTooSmall            a buffer larger than the whole pinned pool was asked for
     │   └── DuplicateTransfer       a key already in flight in the same loader was submitted again
@@ -47,6 +48,7 @@ __all__ = [
     "LoopThreadBlocked",
     "RuntimeClosed",
     "RuntimeStateError",
+    "UsedAfterFork",
     "UnknownSchemeError",
     "TransferError",
     "PoolTooSmall",
@@ -118,6 +120,15 @@ class RuntimeClosed(RuntimeStateError):
 
 class LoopThreadBlocked(RuntimeStateError):
     """A blocking wait was attempted on the runtime's own loop thread (it would deadlock)."""
+
+
+class UsedAfterFork(RuntimeStateError):
+    """A runtime, runtime future or store made before ``fork()`` was used in the child.
+
+    Its loop thread and connections belong to the parent: the thread does not exist in the child, and a
+    socket shared by two processes interleaves their replies. The child must make its own (the process-wide
+    :func:`asyncconn.runtime.get_runtime` does so by itself).
+    """
 
 
 class TransferError(AsyncConnError):

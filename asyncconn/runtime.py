@@ -6,8 +6,13 @@ vLLM's scheduler and worker are synchronous threads that must never wait on I/O.
 them, so no locks are needed around I/O (DESIGN.md, "the one rule").
 
 Calling ``result()`` on such a future from the loop thread itself would deadlock; here it raises
-:class:`LoopThreadBlocked` instead. After ``fork()`` the child process gets a fresh runtime on first use:
-the parent's loop thread does not exist in the child.
+:class:`LoopThreadBlocked` instead.
+
+Fork: the parent's loop thread does not exist in a forked child. :func:`get_runtime` gives the child a
+fresh runtime on first use. A :class:`Runtime` object (or a pending future of one) carried over from the
+parent raises :class:`UsedAfterFork` at once when used in the child -- before, a ``run`` there waited
+forever for a thread that is not there. :func:`fork_generation` lets other objects that own sockets (a
+store) tell that they were made in another process, without a system call.
 """
 
 from __future__ import annotations
@@ -21,12 +26,36 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from asyncconn.exceptions import LoopThreadBlocked, RuntimeClosed
+from asyncconn.exceptions import LoopThreadBlocked, RuntimeClosed, UsedAfterFork
 
-__all__ = ["LoopFuture", "Runtime", "get_runtime", "shutdown_runtime"]
+__all__ = [
+    "LoopFuture",
+    "Runtime",
+    "fork_generation",
+    "forked_error",
+    "get_runtime",
+    "keep_inherited",
+    "shutdown_runtime",
+]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+_generation = 0  # forks this process descends from; bumped in the child (see _after_fork_in_child)
+
+
+def fork_generation() -> int:
+    """A number that changes in a forked child: an object that saved it at birth knows it was inherited."""
+    return _generation
+
+
+def forked_error(what: str, pid: int) -> UsedAfterFork:
+    return UsedAfterFork(
+        f"{what} was made in process {pid} and cannot be used in its forked child {os.getpid()} (its loop "
+        "thread and connections belong to the parent); make a new one in the child -- "
+        "asyncconn.runtime.get_runtime() gives the child its own runtime"
+    )
 
 
 def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
@@ -45,8 +74,12 @@ class LoopFuture(concurrent.futures.Future[T]):
     """A ``concurrent.futures.Future`` that refuses to block on its runtime's own loop thread."""
 
     _loop_thread: threading.Thread | None = None
+    _generation = 0
+    _pid = 0
 
     def _check_thread(self) -> None:
+        if not self.done() and self._generation != _generation:
+            raise forked_error("this runtime future", self._pid)  # nothing in the child will ever complete it
         if not self.done() and threading.current_thread() is self._loop_thread:
             raise LoopThreadBlocked(
                 "blocking on a runtime future from the runtime's own loop thread would deadlock; "
@@ -77,11 +110,17 @@ class Runtime:
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
+        self._generation = _generation
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    def _check_process(self) -> None:
+        if self._generation != _generation:
+            raise forked_error("this runtime", self._pid)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> Runtime:
         """Start the loop thread (idempotent)."""
+        self._check_process()
         with self._lock:
             if self._closed:
                 raise RuntimeClosed("runtime is closed")
@@ -109,6 +148,7 @@ class Runtime:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
+        self._check_process()
         if self._loop is None:
             self.start()
         assert self._loop is not None
@@ -130,7 +170,13 @@ class Runtime:
         return type(self.loop).__module__.startswith("uvloop")
 
     def close(self, timeout: float = 5.0) -> None:
-        """Cancel outstanding tasks, stop the loop and join the thread. Safe to call twice."""
+        """Cancel outstanding tasks, stop the loop and join the thread. Safe to call twice.
+
+        In a forked child it only marks the runtime closed: the loop and its thread are the parent's.
+        """
+        if self._generation != _generation:
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return
@@ -161,12 +207,16 @@ class Runtime:
 
         Cancelling the returned future cancels the task on the loop.
         """
+        if self._generation != _generation:
+            coro.close()
+            raise forked_error("this runtime", self._pid)
         if self._closed:
             coro.close()
             raise RuntimeClosed("runtime is closed")
         loop = self.loop
         fut: LoopFuture[T] = LoopFuture()
         fut._loop_thread = self._thread
+        fut._generation, fut._pid = self._generation, self._pid
 
         def _spawn() -> None:
             if fut.done():  # cancelled before the loop got to it
@@ -193,6 +243,9 @@ class Runtime:
 
         On timeout the task is cancelled and ``concurrent.futures.TimeoutError`` is raised.
         """
+        if self._generation != _generation:
+            coro.close()
+            raise forked_error("this runtime", self._pid)
         if self.in_loop_thread():
             coro.close()
             raise LoopThreadBlocked("Runtime.run() called from the loop thread; await the coroutine instead")
@@ -205,6 +258,7 @@ class Runtime:
 
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
         """Run a plain callback on the loop thread (thread-safe, fire and forget)."""
+        self._check_process()
         if self._closed:
             raise RuntimeClosed("runtime is closed")
         self.loop.call_soon_threadsafe(fn, *args)
@@ -244,10 +298,10 @@ def get_runtime() -> Runtime:
     """The process-wide runtime, started on first use (and anew in a forked child)."""
     global _default
     rt = _default
-    if rt is not None and not rt.closed and rt._pid == os.getpid():
+    if rt is not None and not rt.closed and rt._generation == _generation:
         return rt
     with _default_lock:
-        if _default is None or _default.closed or _default._pid != os.getpid():
+        if _default is None or _default.closed or _default._generation != _generation:
             _default = Runtime().start()
         return _default
 
@@ -257,15 +311,28 @@ def shutdown_runtime(timeout: float = 5.0) -> None:
     global _default
     with _default_lock:
         rt, _default = _default, None
-    if rt is not None and rt._pid == os.getpid():
+    if rt is not None and rt._generation == _generation:
         rt.close(timeout)
 
 
+#: What the child inherited and must never finalize: closing a parent's transport in the child would take
+#: its socket out of the epoll set the two processes share (the parent would stop hearing its replies).
+_inherited: list[object] = []
+
+
 def _after_fork_in_child() -> None:
-    # The parent's loop thread does not exist here; drop the reference without touching its loop.
-    global _default, _default_lock
+    # The parent's loop thread does not exist here; keep its runtime out of reach without touching it.
+    global _default, _default_lock, _generation
+    _generation += 1
+    if _default is not None:
+        _inherited.append(_default)
     _default = None
     _default_lock = threading.Lock()
+
+
+def keep_inherited(obj: object) -> None:
+    """Hold ``obj`` (a parent's connection pool, client, loop) for the child's lifetime, never closed."""
+    _inherited.append(obj)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -3,6 +3,12 @@
 This is the layer the lookup client, the loaders and the adapters use. It turns a bad payload into a miss
 (counted, logged once per key) rather than an exception that would reach vLLM, and bounds every call by a
 timeout so a hung store degrades to :class:`BackendTimeout`, never to a hang.
+
+A store belongs to the process that opened it: in a forked child every call raises
+:class:`UsedAfterFork` at once, before the backend is touched, and ``close()`` only marks it closed. Its
+connections are the parent's; a command the child wrote on one would interleave with the parent's and
+hand each process the other's replies (wrong ``exists`` answers), and closing one from the child would
+unregister it from the event-loop poller both processes share.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import TypeVar
@@ -19,6 +26,7 @@ import torch
 from asyncconn import codec
 from asyncconn.backend import SelfChecked, StorageBackend, open_backend
 from asyncconn.exceptions import BackendError, BackendTimeout, CodecError, FrameMismatch
+from asyncconn.runtime import fork_generation, forked_error, keep_inherited
 from asyncconn.url import StoreURL, parse_url, redact
 
 __all__ = ["Fetch", "StoreStats", "TensorStore"]
@@ -71,6 +79,8 @@ class TensorStore:
         self.max_payload = max_payload
         self.name = name
         self.stats = StoreStats()
+        self._generation = fork_generation()
+        self._pid = os.getpid()
 
     @classmethod
     async def open(
@@ -193,10 +203,17 @@ class TensorStore:
         return await self._call(self.backend.delete(keys), "delete")
 
     async def close(self) -> None:
+        if self._generation != fork_generation():  # the connections are the parent's: leave them be
+            keep_inherited(self.backend)
+            return
         await self.backend.close()
 
     # -- helpers ---------------------------------------------------------------------------------------
     async def _call(self, coro: Awaitable[T], what: str) -> T:
+        if self._generation != fork_generation():
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise forked_error(f"store {self.name}", self._pid)
         try:
             async with asyncio.timeout(self.timeout):
                 return await coro

@@ -30,6 +30,7 @@ import contextlib
 import enum
 import itertools
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -45,7 +46,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from asyncconn.backend import Buffer, Sink, StorageBackend, Value
-from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigError
+from asyncconn.exceptions import AsyncConnError, BackendError, BackendTimeout, BackendUnavailable, ConfigError
+from asyncconn.runtime import fork_generation, forked_error, keep_inherited
 from asyncconn.url import Param, StoreURL, redact
 from backends._redis_layout import (
     MANIFEST_SIZE,
@@ -152,6 +154,8 @@ class RedisBackend(StorageBackend):
         self._recent = RecentVersions()
         self._closed = False
         self._reaping: set[asyncio.Task[None]] = set()
+        self._generation = fork_generation()
+        self._pid = os.getpid()
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -254,7 +258,15 @@ class RedisBackend(StorageBackend):
     # -- error boundary --------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def _guard(self, what: str) -> AsyncIterator[None]:
-        """Bound a call by ``timeout`` and translate everything redis-py or the OS raises."""
+        """Bound a call by ``timeout`` and translate everything redis-py or the OS raises.
+
+        A pool inherited through ``fork()`` is never used (its sockets are the parent's: replies would
+        interleave). Anything else a client raises -- a ``TypeError``/``ValueError`` from a reply that is not
+        the one expected, i.e. a connection out of step -- becomes a :class:`BackendError`, and every pooled
+        connection is dropped, so none that may be out of step is used again.
+        """
+        if self._generation != fork_generation():
+            raise forked_error(f"store {self.name}", self._pid)
         if self._closed:
             raise BackendUnavailable(f"{self.name}: backend is closed")
         try:
@@ -275,6 +287,19 @@ class RedisBackend(StorageBackend):
             raise BackendError(f"{self.name}: {what} failed: {self._scrub(exc)}") from None
         except BackendError as exc:  # from the chunk reader: already ours, add which store and call
             raise type(exc)(f"{self.name}: {what} failed: {self._scrub(exc)}") from None
+        except AsyncConnError:
+            raise
+        except Exception as exc:
+            await self._drop_connections()
+            raise BackendError(
+                f"{self.name}: {what} failed: unexpected {type(exc).__name__} ({self._scrub(exc)}); "
+                "connections dropped"
+            ) from None
+
+    async def _drop_connections(self) -> None:
+        """Disconnect every pooled connection (idle and lent): the next command opens a fresh one."""
+        with contextlib.suppress(Exception):
+            await self._pool.disconnect(inuse_connections=True)
 
     def _scrub(self, exc: BaseException) -> str:
         text = str(exc) or type(exc).__name__
@@ -547,6 +572,9 @@ class RedisBackend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        if self._generation != fork_generation():  # a forked child: the sockets are the parent's
+            keep_inherited(self)
+            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.timeout):
                 await self.settle()

@@ -38,6 +38,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import EqualJitterBackoff
 
 from asyncconn.exceptions import BackendUnavailable, ConfigError
+from asyncconn.runtime import fork_generation, keep_inherited
 from asyncconn.url import Param, StoreURL, redact
 from backends._redis_reader import ChunkReader, Reply, ReplyError
 from backends.redis import DEFAULT_CHUNK_SIZE, DEFAULT_PORT, RedisBackend, _gather
@@ -297,10 +298,18 @@ class RedisClusterBackend(RedisBackend):
                 # Some of these are not RedisError subclasses; the base clause adds store and call names.
                 raise BackendUnavailable(self._scrub(exc)) from None
 
+    async def _drop_connections(self) -> None:
+        for node in self._cluster.get_nodes():
+            with contextlib.suppress(Exception):
+                await node.disconnect()
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._generation != fork_generation():  # a forked child: the sockets are the parent's
+            keep_inherited(self)
+            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.timeout):
                 await self.settle()

@@ -20,7 +20,12 @@ from typing import Any
 from asyncconn.exceptions import AsyncConnError, BackendError, ConfigError
 from asyncconn.lookup.curve import CurveServerKeys, load_key
 from asyncconn.lookup.protocol import DEFAULT_MAX_KEYS
-from asyncconn.lookup.server import DEFAULT_BIND, LookupServer
+from asyncconn.lookup.server import (
+    DEFAULT_BIND,
+    DEFAULT_MAX_CLIENTS,
+    DEFAULT_MAX_INFLIGHT_KEYS,
+    LookupServer,
+)
 from asyncconn.store import TensorStore
 from asyncconn.url import parse_duration, parse_size, redact
 
@@ -35,7 +40,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="the engine's KV block size in tokens")
     parser.add_argument("--key-prefix", default="", help="store key = prefix + hex(hash)")
     parser.add_argument("--max-keys", type=int, default=DEFAULT_MAX_KEYS, help="keys accepted per request")
-    parser.add_argument("--max-message", default="16MiB", help="frames larger than this drop the peer")
+    parser.add_argument("--max-message", default="4MiB", help="frames larger than this drop the peer")
+    parser.add_argument(
+        "--max-bytes",
+        default="64MiB",
+        help="request bytes held at once (queued + being answered); past it the heaviest client's newest "
+        "queued request is answered with an error",
+    )
+    parser.add_argument(
+        "--max-inflight-keys",
+        type=int,
+        default=DEFAULT_MAX_INFLIGHT_KEYS,
+        help="keys looked up in the store at once (>= --max-keys); requests wait their turn, round-robin",
+    )
+    parser.add_argument(
+        "--max-clients",
+        type=int,
+        default=DEFAULT_MAX_CLIENTS,
+        help="clients with requests held at once; a new client past it gets error replies",
+    )
     parser.add_argument("--timeout", default="5s", help="store call timeout")
     parser.add_argument(
         "--wait-for-store",
@@ -66,16 +89,24 @@ async def serve(args: argparse.Namespace) -> int:
     except (AsyncConnError, ValueError) as exc:
         print(f"asyncconn lookup-server: cannot open {redact(args.backend)}: {exc}", file=sys.stderr)
         return 2
-    server = LookupServer(
-        store,
-        args.bind,
-        block_size=args.block_size,
-        key_prefix=args.key_prefix,
-        max_keys=args.max_keys,
-        max_message=parse_size(args.max_message),
-        curve=curve,
-        insecure=args.insecure,
-    )
+    try:
+        server = LookupServer(
+            store,
+            args.bind,
+            block_size=args.block_size,
+            key_prefix=args.key_prefix,
+            max_keys=args.max_keys,
+            max_message=parse_size(args.max_message),
+            max_bytes=parse_size(args.max_bytes),
+            max_inflight_keys=args.max_inflight_keys,
+            max_clients=args.max_clients,
+            curve=curve,
+            insecure=args.insecure,
+        )
+    except ValueError as exc:  # ConfigError included: a bound out of range
+        await store.close()
+        print(f"asyncconn lookup-server: {exc}", file=sys.stderr)
+        return 2
     try:
         try:
             endpoint = await server.start()

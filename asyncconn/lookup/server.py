@@ -1,11 +1,31 @@
 """The ZMQ lookup server: answers Mooncake-framed and pipelined lookups from one store, on one asyncio loop.
 
 One ROUTER socket serves every client. A plain REQ client written for vLLM's Mooncake store works
-unchanged; DEALER clients put an id frame in front and get replies out of order (see ``protocol``). The
-read loop takes one message with an await, then every message already queued (up to ``max_batch``), and
-answers the whole burst with ONE ``exists`` call on the store, in its own task -- so many requests are in
-flight at once, the store sees batched queries, and a slow batch never stops the socket from reading.
-At most ``max_inflight`` batches run at once; past that the loop stops reading and ZMQ's queues push back.
+unchanged; DEALER clients put an id frame in front and get replies out of order (see ``protocol``).
+
+Bounded by what it holds, not by how many messages it read. The reader never stops reading (ZMQ's
+queues stay short, so ZMQ's own buffers stay small); each request read is *held* -- queued for its
+client, then answered -- and counted by its bytes. Two budgets bound the server:
+
+- ``max_bytes``: request bytes held at once (queued + being answered). A request that would pass it
+  sheds one: the newest queued request of the client holding the most queued bytes (the arriving one
+  when that is its own sender), answered ``ERROR`` at once. So a flooding client loses its own
+  requests first and a light client keeps its place.
+- ``max_inflight_keys``: keys being looked up in the store at once (the Python objects, store keys and
+  store commands of a lookup are per key). Queued requests are admitted round-robin, one per client per
+  turn, whenever their keys fit. The last ``batch_keys`` keys of it are kept for requests of at most
+  ``batch_keys`` keys, so light clients are answered at once while a flood of large lookups is served.
+
+Admitted requests are answered in batches (at most ``max_batch`` requests or ``batch_keys`` keys each,
+a larger request alone), each its own task, with store calls of at most ``batch_keys`` keys made one
+after the other. ``max_clients`` bounds the clients
+with requests held (a new client past it is answered ``ERROR``); ZMQ queues at most ``QUEUE_HWM`` messages per
+connection each way.
+
+Every request read gets exactly one reply -- REQ clients (vLLM's) wait for it forever otherwise: the
+answer, or ``ERROR`` when it is malformed, shed, or its batch failed in any way (the store, a
+``MemoryError``, a bug). Malformed requests, sheds and failed batches are counted in
+:class:`ServerStats` and logged at most once per ``log_interval`` per kind, with the count since.
 
 Mooncake ``lookup`` semantics: vLLM's client sends the block-aligned token count and the prompt's block
 hashes in order, so the hit length is the number of leading present blocks times ``block_size`` (tokens
@@ -17,11 +37,11 @@ the aligned count. No (group, boundary) entries are appended (one KV cache group
 "delete everything" operation and one store may be shared, so by default the server answers ``ERROR``
 (not applied) -- never a false "ok" that would let stale KV be served. ``on_reset`` may implement it.
 
-Safety: every message is parsed by ``protocol.parse_body`` with size caps; anything malformed or oversized
-is answered with ``ERROR`` and counted, and the loop keeps serving. ``MAXMSGSIZE`` drops (disconnects) a
-peer that sends a frame larger than ``max_message`` before it is buffered. Binds loopback / ipc by
-default; an ipc socket file is made ``0600``; a non-loopback TCP bind needs CURVE keys (``curve``, see
-``lookup.curve``) and is refused without them unless ``insecure=True`` (then it is logged as a warning).
+Safety: every message is parsed by ``protocol.parse_body`` with size caps. ``MAXMSGSIZE`` drops
+(disconnects) a peer that sends a frame larger than ``max_message`` before it is buffered. Binds loopback
+/ ipc by default; an ipc socket file is made ``0600``; a non-loopback TCP bind needs CURVE keys
+(``curve``, see ``lookup.curve``) and is refused without them unless ``insecure=True`` (then it is
+logged as a warning).
 """
 
 from __future__ import annotations
@@ -30,7 +50,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import zmq
@@ -49,11 +71,26 @@ __all__ = ["DEFAULT_BIND", "LookupServer", "ServerStats"]
 log = logging.getLogger(__name__)
 
 DEFAULT_BIND = "tcp://127.0.0.1:5570"
+#: Request bytes held at once (queued + being answered).
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+#: Keys looked up in the store at once: the largest request plus the small-request reserve, twice over.
+DEFAULT_MAX_INFLIGHT_KEYS = 2 * protocol.DEFAULT_MAX_KEYS
+DEFAULT_MAX_CLIENTS = 1024
+#: The largest frame: 65,536 32-byte block hashes are 2 MiB.
+DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
+#: Messages ZMQ queues per connection, each way. The reader drains its side continuously, so it holds a
+#: few at most; it bounds what a client that stops reading its replies can park in the server.
+QUEUE_HWM = 1000
 
 
 @dataclass
 class ServerStats:
-    """Counters since start (plain ints, loop thread writes, any thread reads)."""
+    """Counters since start (plain ints, loop thread writes, any thread reads).
+
+    ``errors``: malformed or oversized requests; ``store_errors``: batches whose store call failed;
+    ``shed``: requests answered ``ERROR`` because a bound was reached; ``failed``: requests answered
+    ``ERROR`` because their batch raised something unexpected (``MemoryError`` included).
+    """
 
     requests: int = 0
     lookups: int = 0
@@ -62,9 +99,70 @@ class ServerStats:
     store_errors: int = 0
     batches: int = 0
     dropped_replies: int = 0
+    shed: int = 0
+    failed: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class _Request:
+    """One request read and not yet answered; ``body`` is dropped once parsed."""
+
+    __slots__ = ("body", "client", "id_frame", "keys", "nbytes", "replied", "route")
+
+    def __init__(
+        self,
+        client: _Client,
+        route: list[bytes],
+        id_frame: bytes | None,
+        body: list[bytes],
+        nbytes: int,
+        max_keys: int,
+    ) -> None:
+        self.client = client
+        self.route = route
+        self.id_frame = id_frame
+        self.body: Sequence[bytes] = body
+        self.nbytes = nbytes
+        # what it may cost in the store; over max_keys it is rejected before any store call
+        self.keys = min(_key_bound(body), max_keys)
+        self.replied = False
+
+
+class _Client:
+    """What one peer (one ROUTER identity) holds: its queue and its share of the budgets."""
+
+    __slots__ = ("identity", "inflight", "queue", "queued_bytes")
+
+    def __init__(self, identity: bytes) -> None:
+        self.identity = identity
+        self.queue: deque[_Request] = deque()
+        self.queued_bytes = 0
+        self.inflight = 0  # requests of this client being answered
+
+
+class _Throttled:
+    """Log one line per kind per ``interval`` at most, with how many happened since the last line.
+
+    Why: a hostile or broken client can send thousands of bad requests a second; one log line each
+    would turn it into a disk-filling attack on the operator.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._count: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+
+    def note(self, kind: str, detail: object) -> None:
+        self._count[kind] = self._count.get(kind, 0) + 1
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e18) >= self.interval:
+            log.warning(
+                "lookup server: %d %s since the last report; latest: %s", self._count[kind], kind, detail
+            )
+            self._count[kind] = 0
+            self._last[kind] = now
 
 
 class LookupServer:
@@ -78,28 +176,65 @@ class LookupServer:
         block_size: int = 16,
         key_prefix: str = "",
         max_keys: int = protocol.DEFAULT_MAX_KEYS,
-        max_message: int = 16 * 1024 * 1024,
+        max_message: int = DEFAULT_MAX_MESSAGE,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_inflight_keys: int = DEFAULT_MAX_INFLIGHT_KEYS,
+        max_clients: int = DEFAULT_MAX_CLIENTS,
         max_batch: int = 512,
+        batch_keys: int = 8192,
         max_inflight: int = 64,
+        log_interval: float = 10.0,
         on_reset: Callable[[], bool] | None = None,
         curve: curve_keys.CurveServerKeys | None = None,
         insecure: bool = False,
     ) -> None:
-        if block_size <= 0:
-            raise ConfigError(f"lookup server: block_size must be > 0, got {block_size}")
+        for name, value in (
+            ("block_size", block_size),
+            ("max_keys", max_keys),
+            ("max_message", max_message),
+            ("max_bytes", max_bytes),
+            ("max_inflight_keys", max_inflight_keys),
+            ("max_clients", max_clients),
+            ("max_batch", max_batch),
+            ("batch_keys", batch_keys),
+            ("max_inflight", max_inflight),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"lookup server: {name} must be an integer > 0, got {value!r}")
+        if max_inflight_keys < max_keys + batch_keys:
+            raise ConfigError(
+                f"lookup server: max_inflight_keys ({max_inflight_keys}) must be >= max_keys + batch_keys "
+                f"({max_keys} + {batch_keys}), or the largest request could never be answered"
+            )
+        if max_bytes < max_message:
+            raise ConfigError(
+                f"lookup server: max_bytes ({max_bytes}) must be >= max_message ({max_message}), "
+                "or the largest request would always be shed"
+            )
         self.store = store
         self.bind = bind
         self.block_size = block_size
         self.key_prefix = key_prefix
         self.max_keys = max_keys
         self.max_message = max_message
+        self.max_bytes = max_bytes
+        self.max_inflight_keys = max_inflight_keys
+        self.max_clients = max_clients
         self.max_batch = max_batch
+        self.batch_keys = batch_keys
+        self.max_inflight = max_inflight
         self.stats = ServerStats()
         self._on_reset = on_reset
         self._curve = curve
         self._insecure = insecure
         self._auth: AsyncioAuthenticator | None = None
-        self._slots = asyncio.Semaphore(max_inflight)
+        self._throttle = _Throttled(log_interval)
+        self._clients: dict[bytes, _Client] = {}
+        self._ready: deque[_Client] = deque()  # clients with a queued request, in round-robin order
+        self._held_bytes = 0
+        self._inflight_keys = 0
+        self.peak_bytes = 0
+        self.peak_keys = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -125,8 +260,8 @@ class LookupServer:
                 curve_keys.apply_server(sock, self._curve)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.SNDHWM, QUEUE_HWM)
+            sock.setsockopt(zmq.RCVHWM, QUEUE_HWM)
             sock.bind(self.bind)
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             if endpoint.startswith("ipc://"):
@@ -144,6 +279,16 @@ class LookupServer:
     def busy(self) -> int:
         """Batches being answered right now (tests count it back to zero)."""
         return len(self._tasks)
+
+    def held(self) -> dict[str, int]:
+        """What the server holds now: request bytes, keys in the store, clients, queued requests."""
+        return {
+            "bytes": self._held_bytes,
+            "keys": self._inflight_keys,
+            "clients": len(self._clients),
+            "queued": sum(len(c.queue) for c in self._clients.values()),
+            "batches": len(self._tasks),
+        }
 
     async def serve_forever(self) -> None:
         if self._reader is None:
@@ -166,6 +311,9 @@ class LookupServer:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close(0)
+        self._clients.clear()
+        self._ready.clear()
+        self._held_bytes = self._inflight_keys = 0
         self._stop_auth()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
@@ -176,90 +324,223 @@ class LookupServer:
         if auth is not None:
             auth.stop()
 
-    # -- loop --------------------------------------------------------------------------------------------
+    # -- reading and admission -----------------------------------------------------------------------
     async def _read(self) -> None:
         sock = self._sock
         assert sock is not None
         shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        loop = asyncio.get_running_loop()
         while True:
-            await self._slots.acquire()
-            try:
-                first = await sock.recv_multipart()
-            except BaseException:
-                self._slots.release()
-                raise
-            batch = [first]
-            while len(batch) < self.max_batch:
+            first = await sock.recv_multipart()
+            burst = [first]
+            while len(burst) < self.max_batch:
                 try:
-                    batch.append(shadow.recv_multipart(zmq.NOBLOCK))
+                    burst.append(shadow.recv_multipart(zmq.NOBLOCK))
                 except zmq.ZMQError:
                     break
-            task = loop.create_task(self._answer(batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._finished)
+            for frames in burst:
+                self._accept(frames)
+            del burst, first
+            self._dispatch()
+            # A receive that finds a message ready completes without yielding: under a flood the batches
+            # would never run. Yield once per burst.
+            await asyncio.sleep(0)
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
+    def _accept(self, frames: list[bytes]) -> None:
+        """Queue one request for its client, or answer it ``ERROR`` at once (malformed, or a bound)."""
+        self.stats.requests += 1
+        route, id_frame, body = _split(frames)
+        if body is None:  # not even an envelope we can answer properly: answer what we can
+            self.stats.errors += 1
+            self._throttle.note("malformed requests", "bad envelope")
+            self._send(route, None, protocol.ERROR)
+            return
+        identity = route[0]
+        client = self._clients.get(identity)
+        if client is None:
+            if len(self._clients) >= self.max_clients:
+                self._shed_now(route, id_frame, f"{self.max_clients} clients already have requests held")
+                return
+            client = self._clients[identity] = _Client(identity)
+        nbytes = sum(len(f) for f in frames)
+        request = _Request(client, route, id_frame, body, nbytes, self.max_keys)
+        if not self._make_room(request):
+            self._forget_if_idle(client)
+            return
+        client.queue.append(request)
+        client.queued_bytes += nbytes
+        self._held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self._held_bytes)
+        if len(client.queue) == 1:
+            self._ready.append(client)
+
+    def _make_room(self, request: _Request) -> bool:
+        """Shed queued requests of the heaviest client until ``request`` fits in ``max_bytes``.
+
+        False when ``request`` itself is the one to shed (its client is the heaviest, or nothing queued
+        can be shed because everything held is being answered).
+        """
+        client = request.client
+        while self._held_bytes + request.nbytes > self.max_bytes:
+            heaviest = max(self._clients.values(), key=lambda c: c.queued_bytes)
+            if heaviest is client or heaviest.queued_bytes <= client.queued_bytes + request.nbytes:
+                self._shed_now(request.route, request.id_frame, f"{self.max_bytes} request bytes held")
+                return False
+            victim = heaviest.queue.pop()
+            heaviest.queued_bytes -= victim.nbytes
+            self._held_bytes -= victim.nbytes
+            if not heaviest.queue:
+                self._ready.remove(heaviest)
+            self._shed_now(victim.route, victim.id_frame, f"{self.max_bytes} request bytes held")
+            self._forget_if_idle(heaviest)
+        return True
+
+    def _shed_now(self, route: list[bytes], id_frame: bytes | None, why: str) -> None:
+        self.stats.shed += 1
+        self._throttle.note("requests shed", why)
+        self._send(route, id_frame, protocol.ERROR)
+
+    def _forget_if_idle(self, client: _Client) -> None:
+        if not client.queue and not client.inflight:
+            self._clients.pop(client.identity, None)
+
+    def _dispatch(self) -> None:
+        """Admit queued requests, one per client per turn, while their keys fit; answer them in batches."""
+        if self._sock is None:
+            return
+        batch: list[_Request] = []
+        batch_keys = 0
+        waiting: list[_Client] = []  # clients whose next request does not fit now: first in line next time
+        while self._ready and len(self._tasks) < self.max_inflight:
+            client = self._ready.popleft()
+            request = client.queue[0]
+            # The last batch_keys keys of the budget are kept for small requests: however many large ones
+            # wait, a small one is admitted at once.
+            room = self.max_inflight_keys - (self.batch_keys if request.keys > self.batch_keys else 0)
+            if self._inflight_keys + request.keys > room:
+                waiting.append(client)
+                continue
+            client.queue.popleft()
+            client.queued_bytes -= request.nbytes
+            client.inflight += 1
+            self._inflight_keys += request.keys
+            if client.queue:
+                self._ready.append(client)
+            if batch and (len(batch) >= self.max_batch or batch_keys + request.keys > self.batch_keys):
+                self._launch(batch)
+                batch, batch_keys = [], 0
+            batch.append(request)
+            batch_keys += request.keys
+        if batch:
+            self._launch(batch)
+        self._ready.extendleft(reversed(waiting))
+        self.peak_keys = max(self.peak_keys, self._inflight_keys)
+
+    def _launch(self, batch: list[_Request]) -> None:
+        task = asyncio.get_running_loop().create_task(self._answer(batch))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._finished(t, batch))
+
+    def _finished(self, task: asyncio.Task[None], batch: list[_Request]) -> None:
         self._tasks.discard(task)
-        self._slots.release()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("lookup server: batch failed", exc_info=task.exception())
+        if not task.cancelled() and task.exception() is not None:  # _answer catches everything; defensive
+            self._fail(batch, task.exception())
+        for request in batch:
+            client = request.client
+            client.inflight -= 1
+            self._held_bytes -= request.nbytes
+            self._inflight_keys -= request.keys
+            self._forget_if_idle(client)
+        if self._sock is not None and not task.cancelled():
+            self._dispatch()
 
-    async def _answer(self, batch: list[list[bytes]]) -> None:
+    # -- answering -----------------------------------------------------------------------------------
+    async def _answer(self, batch: list[_Request]) -> None:
+        """Answer every request of ``batch``, each exactly once, whatever happens (cancellation aside)."""
+        try:
+            await self._answer_batch(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # MemoryError, a bug: every request still gets an ERROR reply
+            self._fail(batch, exc)
+
+    def _fail(self, batch: list[_Request], exc: BaseException | None) -> None:
+        unanswered = [r for r in batch if not r.replied]
+        self.stats.failed += len(unanswered)
+        self._throttle.note("requests failed", f"{type(exc).__name__}: {exc}")
+        for request in unanswered:
+            self._reply(request, protocol.ERROR)
+
+    async def _answer_batch(self, batch: list[_Request]) -> None:
         stats = self.stats
         stats.batches += 1
-        # (route frames, id frame or None, parsed query or None for an error reply)
-        parsed: list[tuple[list[bytes], bytes | None, Query | None]] = []
-        for frames in batch:
-            stats.requests += 1
-            route, id_frame, body = _split(frames)
+        parsed: list[tuple[_Request, Query | None]] = []
+        for request in batch:
             query: Query | None = None
-            if body is not None:
-                try:
-                    query = protocol.parse_body(body, max_keys=self.max_keys)
-                except LookupProtocolError as exc:
-                    log.debug("lookup server: bad request: %s", exc)
-            if query is None:
+            try:
+                query = protocol.parse_body(request.body, max_keys=self.max_keys)
+            except LookupProtocolError as exc:
                 stats.errors += 1
-            parsed.append((route, id_frame, query))
+                self._throttle.note("malformed requests", exc)
+            request.body = ()  # the raw frames are not needed past here
+            parsed.append((request, query))
         prefix = self.key_prefix
-        flat = [protocol.store_key(prefix, k) for _, _, q in parsed if q is not None for k in q.keys]
+        flat = [protocol.store_key(prefix, k) for _, q in parsed if q is not None for k in q.keys]
         present: list[bool] | None = []
+        # A large request is alone in its batch. Only its leading present keys count for lookup/prefix:
+        # stop at the first store call that finds a miss.
+        prefix_only = len(parsed) == 1 and parsed[0][1] is not None and parsed[0][1].kind is not Kind.EXISTS
         if flat:
             try:
-                present = await self._exists(flat)
+                present = await self._exists(flat, prefix_only=prefix_only)
             except AsyncConnError as exc:
                 stats.store_errors += 1
-                log.warning(
-                    "lookup server: store failed, answering %d requests with errors: %s", len(parsed), exc
-                )
+                self._throttle.note("store failures", f"{len(parsed)} requests answered with errors: {exc}")
                 present = None
-        sock = self._sock
-        if sock is None:
-            return
+        del flat
         pos = 0
-        for route, id_frame, query in parsed:
+        for request, query in parsed:
             reply = protocol.ERROR
             if query is not None:
                 n = len(query.keys)
                 seg = present[pos : pos + n] if present is not None else None
                 pos += n
-                reply = self._reply(query, seg)
-            frames = [*route, id_frame, reply] if id_frame is not None else [*route, reply]
-            if not send_nowait(sock, frames):  # the peer's queue is full or it is gone
-                stats.dropped_replies += 1
+                reply = self._reply_for(query, seg)
+            self._reply(request, reply)
 
-    async def _exists(self, keys: list[str]) -> list[bool]:
-        """One store call per ``max_keys`` keys (a burst of big requests never builds one giant command)."""
-        step = self.max_keys
+    def _reply(self, request: _Request, reply: bytes) -> None:
+        if request.replied:
+            return
+        request.replied = True
+        self._send(request.route, request.id_frame, reply)
+
+    def _send(self, route: list[bytes], id_frame: bytes | None, reply: bytes) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        frames = [*route, id_frame, reply] if id_frame is not None else [*route, reply]
+        if not send_nowait(sock, frames):  # the peer's queue is full or it is gone
+            self.stats.dropped_replies += 1
+
+    async def _exists(self, keys: list[str], *, prefix_only: bool = False) -> list[bool]:
+        """One store call per ``batch_keys`` keys, one after the other.
+
+        Why not all at once: a store client builds and parses a large call in one go on the loop (redis-py
+        packs every command of a pipeline before sending any), and the other batches -- small lookups of
+        other clients among them -- wait for the loop meanwhile. Small calls interleave with them.
+        With ``prefix_only`` (one lookup/prefix request: only its leading present keys count) the calls
+        stop at the first that finds a miss; the keys not asked are reported absent.
+        """
+        step = self.batch_keys
         if len(keys) <= step:
             return await self.store.exists(keys)
-        parts = await asyncio.gather(
-            *(self.store.exists(keys[i : i + step]) for i in range(0, len(keys), step))
-        )
-        return [flag for part in parts for flag in part]
+        present: list[bool] = []
+        for i in range(0, len(keys), step):
+            present += await self.store.exists(keys[i : i + step])
+            if prefix_only and not all(present[i:]):
+                return present + [False] * (len(keys) - len(present))
+        return present
 
-    def _reply(self, query: Query, seg: list[bool] | None) -> bytes:
+    def _reply_for(self, query: Query, seg: list[bool] | None) -> bytes:
         kind = query.kind
         if kind is Kind.RESET:
             self.stats.resets += 1
@@ -274,6 +555,18 @@ class LookupServer:
         if kind is Kind.LOOKUP:
             return protocol.encode_u32(min(hit * self.block_size, query.token_count))
         return protocol.encode_u32(hit)
+
+
+def _key_bound(body: Sequence[bytes]) -> int:
+    """The most keys ``body`` can hold, read without parsing it (what it may cost in the store).
+
+    Fixed-size keys: the payload over the key size; variable-size: each key takes at least its 2-byte
+    length. A malformed body may claim anything; it is rejected by the parser before any store call.
+    """
+    if len(body) != 4 or len(body[2]) != 2:
+        return 0
+    size = int.from_bytes(body[2], "big")
+    return len(body[3]) // (size or 2)
 
 
 def _split(frames: list[bytes]) -> tuple[list[bytes], bytes | None, list[bytes] | None]:
