@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 
 from asyncconn import codec
-from asyncconn.backend import SelfChecked, StorageBackend, open_backend
+from asyncconn.backend import SelfChecked, StorageBackend, checked_keys, open_backend
 from asyncconn.exceptions import BackendError, BackendTimeout, CodecError, FrameMismatch
 from asyncconn.url import StoreURL, parse_url, redact
 
@@ -92,7 +92,9 @@ class TensorStore:
 
     async def put(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Encode and store tensors (zero-copy of the payload: header and view are written as parts)."""
-        await self.put_frames((key, *codec.encode_parts(tensor, key=key)) for key, tensor in items)
+        pairs = list(items)
+        checked_keys([key for key, _ in pairs])  # before a key seeds a frame checksum
+        await self.put_frames([(key, *codec.encode_parts(tensor, key=key)) for key, tensor in pairs])
 
     async def put_frames(self, items: Iterable[tuple[str, bytes, memoryview]]) -> None:
         """Store values framed already: ``(key, header, payload)`` as :func:`codec.encode_parts` made them
@@ -144,6 +146,7 @@ class TensorStore:
 
     async def read_into(self, key: str, out: torch.Tensor) -> Fetch:
         """:meth:`get_into` that also tells a miss from a bad value (a loader reports them differently)."""
+        codec.check_tensor(out, "the destination")
         if self.backend.reads_into and out.is_contiguous() and out.device.type == "cpu":
             status = await self._get_into_direct(key, out)
         else:

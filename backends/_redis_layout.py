@@ -140,7 +140,8 @@ def fill(dests: Sequence[memoryview], value: bytes | bytearray | memoryview) -> 
     source = memoryview(value).cast("B")
     offset = 0
     for dest in dests:
-        dest[:] = source[offset : offset + dest.nbytes]
+        if dest.nbytes:  # an empty view may be read-only; there is nothing to copy into it anyway
+            dest[:] = source[offset : offset + dest.nbytes]
         offset += dest.nbytes
     if offset != source.nbytes:
         raise ValueError(f"fill: {source.nbytes} bytes into {offset} bytes of destinations")

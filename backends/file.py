@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import ClassVar, TypeVar
 from urllib.parse import quote
 
-from asyncconn.backend import Buffer, Sink, StorageBackend, Value
+from asyncconn.backend import Buffer, Sink, StorageBackend, Value, checked_dests, checked_items, checked_keys
 from asyncconn.exceptions import BackendError, BackendUnavailable, ConfigError
 from asyncconn.url import Param, StoreURL
 
@@ -38,6 +38,8 @@ _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
 def _split_ranges(size: int, parts: int) -> list[tuple[int, int]]:
+    if size <= 0:
+        return [(0, 0)]
     step = -(-size // max(parts, 1))
     return [(a, min(a + step, size)) for a in range(0, size, step)] or [(0, 0)]
 
@@ -253,13 +255,16 @@ class FileBackend(StorageBackend):
         return BackendError(f"file store {str(self.root)!r}: {exc}")
 
     async def put(self, items: Sequence[tuple[str, Value]]) -> None:
+        checked_items(items)
         await asyncio.gather(*(self._run(self._write, k, v) for k, v in items))
 
     async def get(self, keys: Sequence[str]) -> list[Sequence[Buffer] | None]:
+        checked_keys(keys)
         found = await asyncio.gather(*(self._run(self._read, k) for k in keys))
         return [(b,) if b is not None else None for b in found]
 
     async def get_into(self, key: str, dests: Sequence[memoryview], sink: Sink | None = None) -> int | None:
+        checked_dests(key, dests)
         if self.inline_reads and _RWF_NOWAIT:
             # A value already in the page cache is read right here: preadv(RWF_NOWAIT) never waits for the
             # disk (it raises instead), and skipping the round trip through a pool thread is most of the cost
@@ -283,9 +288,11 @@ class FileBackend(StorageBackend):
             raise
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        checked_keys(keys)
         return await self._run(lambda: [self.path_for(k).is_file() for k in keys])
 
     async def delete(self, keys: Sequence[str]) -> int:
+        checked_keys(keys)
         return await self._run(lambda: sum(self._delete(k) for k in keys))
 
     async def close(self) -> None:

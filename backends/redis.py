@@ -44,7 +44,7 @@ from redis.asyncio.connection import (
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from asyncconn.backend import Buffer, Sink, StorageBackend, Value
+from asyncconn.backend import Buffer, Sink, StorageBackend, Value, checked_dests, checked_items, checked_keys
 from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigError
 from asyncconn.url import Param, StoreURL, redact
 from backends._redis_layout import (
@@ -285,6 +285,7 @@ class RedisBackend(StorageBackend):
     # -- contract --------------------------------------------------------------------------------------
     async def put(self, items: Sequence[tuple[str, Value]]) -> None:
         """Inline values of the batch in one pipeline; each chunked value in its own transaction, at once."""
+        checked_items(items)
         async with self._guard("put"):
             inline: list[tuple[str, memoryview | bytes]] = []
             jobs: list[Coroutine[Any, Any, None]] = []
@@ -399,6 +400,7 @@ class RedisBackend(StorageBackend):
             await asyncio.gather(*self._reaping, return_exceptions=True)
 
     async def get(self, keys: Sequence[str]) -> list[Sequence[Buffer] | None]:
+        checked_keys(keys)
         async with self._guard("get"):
             return await self._get(keys, retry=True)
 
@@ -445,6 +447,7 @@ class RedisBackend(StorageBackend):
         checked against its slot. A value written with another ``chunk_size`` falls back to :meth:`get`
         and a copy; a lost chunk follows the new manifest once, as :meth:`get` does.
         """
+        checked_dests(key, dests)
         if self._reader is None:
             return await super().get_into(key, dests, sink)
         targets = [d.cast("B") for d in dests]
@@ -513,6 +516,7 @@ class RedisBackend(StorageBackend):
         return values
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        checked_keys(keys)
         async with self._guard("exists"), self._client.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.exists(main_key(self.prefix, key))
@@ -520,6 +524,7 @@ class RedisBackend(StorageBackend):
         return [bool(c) for c in counts]
 
     async def delete(self, keys: Sequence[str]) -> int:
+        checked_keys(keys)
         async with self._guard("delete"):
             heads = [main_key(self.prefix, k) for k in keys]
             async with self._client.pipeline(transaction=False) as pipe:
