@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from asyncconn.exceptions import BackendNotInstalled, ConfigError, UnknownSchemeError
+from asyncconn.exceptions import BackendNotInstalled, ConfigError, InvalidInput, UnknownSchemeError
 from asyncconn.url import Param, StoreURL, parse_url, redact
 
 __all__ = [
@@ -32,6 +32,9 @@ __all__ = [
     "StorageBackend",
     "Value",
     "available_schemes",
+    "checked_dests",
+    "checked_items",
+    "checked_keys",
     "open_backend",
     "register_backend",
     "resolve_backend",
@@ -81,6 +84,69 @@ def value_nbytes(value: Value) -> int:
     return sum(memoryview(c).nbytes for c in value)
 
 
+# -- input checks every built-in backend runs before any I/O ----------------------------------------------
+# Why here and not in each backend: a non-str key used to surface as AttributeError on one backend,
+# TypeError on another and as a silent miss on a third. One check gives one error type (InvalidInput).
+
+
+def checked_keys(keys: Sequence[str]) -> Sequence[str]:
+    """``keys`` when it is a sequence of non-empty ``str``; :class:`InvalidInput` otherwise."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+        raise InvalidInput(f"keys must be a sequence of str, not {type(keys).__name__}")
+    for key in keys:
+        _check_key(key)
+    return keys
+
+
+def _check_key(key: object) -> None:
+    if type(key) is not str:
+        raise InvalidInput(f"a store key must be a str, not {type(key).__name__}")
+    if not key:
+        raise InvalidInput("a store key must not be empty")
+
+
+def _is_buffer(part: object) -> bool:
+    if isinstance(part, (bytes, bytearray, memoryview)):
+        return True
+    try:
+        memoryview(part)  # type: ignore[arg-type]  # anything exporting the buffer protocol
+    except TypeError:
+        return False
+    return True
+
+
+def checked_items(items: Sequence[tuple[str, Value]]) -> Sequence[tuple[str, Value]]:
+    """``items`` when each is a ``(str key, value)`` pair whose value is a buffer or a sequence of them."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise InvalidInput(f"put takes a sequence of (key, value) pairs, not {type(items).__name__}")
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise InvalidInput(f"put takes (key, value) pairs, not {type(item).__name__}")
+        key, value = item
+        _check_key(key)
+        if _is_buffer(value):
+            continue
+        if isinstance(value, (list, tuple)) and all(_is_buffer(part) for part in value):
+            continue
+        raise InvalidInput(
+            f"the value under {key!r} must be bytes-like or a sequence of bytes-like parts, "
+            f"not {type(value).__name__}"
+        )
+    return items
+
+
+def checked_dests(key: str, dests: Sequence[memoryview]) -> Sequence[memoryview]:
+    """``dests`` of a ``get_into`` when they are writable memoryviews (and ``key`` a valid key)."""
+    _check_key(key)
+    if not isinstance(dests, (list, tuple)):
+        raise InvalidInput(f"get_into takes a sequence of memoryviews, not {type(dests).__name__}")
+    for dest in dests:
+        if not isinstance(dest, memoryview) or dest.readonly:
+            kind = "a read-only memoryview" if isinstance(dest, memoryview) else type(dest).__name__
+            raise InvalidInput(f"get_into destinations must be writable memoryviews, not {kind}")
+    return dests
+
+
 class StorageBackend(abc.ABC):
     """The async contract every store implements. All methods are batched and run on the runtime loop.
 
@@ -89,6 +155,9 @@ class StorageBackend(abc.ABC):
     - ``get`` returns each value as a sequence of buffers (chunks in order) or ``None`` for a miss.
     - ``exists`` and ``delete`` never read values.
     - Errors are :class:`BackendError` subclasses; a call never outlives ``timeout``.
+    - Invalid arguments (a non-str or empty key, a value that is not bytes-like) raise
+      :class:`InvalidInput` before any I/O: built-in backends call :func:`checked_keys`,
+      :func:`checked_items` and :func:`checked_dests`.
     """
 
     #: URL parameters this backend accepts (documented in docs/configuration.md).
@@ -132,6 +201,7 @@ class StorageBackend(abc.ABC):
         read instead of after it. The default goes through :meth:`get`; backends that can read straight
         into caller memory (``preadv`` on a file, a zero-copy RPC) override it and set ``reads_into``.
         """
+        checked_dests(key, dests)
         (chunks,) = await self.get([key])
         if chunks is None:
             return None

@@ -24,7 +24,7 @@ import torch
 from asyncconn.exceptions import ConfigError
 from asyncconn.store import TensorStore
 
-__all__ = ["compare_redis", "measure_store", "probe_overwrites", "run_redis_benchmark"]
+__all__ = ["compare_redis", "eviction_hit_rate", "measure_store", "probe_overwrites", "run_redis_benchmark"]
 
 
 def run_redis_benchmark(
@@ -227,6 +227,59 @@ async def probe_overwrites(
     return result
 
 
+async def eviction_hit_rate(
+    url: str, value_size: int, *, values: int = 200, lag: int = 4, seed: int = 0
+) -> dict[str, Any]:
+    """Hit rate of a cache under eviction: write value ``i``, then read back value ``i - lag``.
+
+    Run against a server with ``maxmemory`` set and an eviction policy (``allkeys-lru``) whose memory
+    holds well over ``lag + 1`` values: an LRU cache should then serve nearly every read, and a layout whose
+    values the server evicts piecemeal does not. Reports hits, misses and corrupt reads (a partial value
+    must never be anything but a miss), and the server's ``evicted_keys``. Runs on the caller's loop.
+    """
+    import redis.asyncio as aioredis
+
+    from asyncconn.url import parse_url
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randint(0, 256, (value_size,), dtype=torch.uint8, generator=g) for _ in range(lag + 1)]
+    out = torch.empty(value_size, dtype=torch.uint8)
+    store = await TensorStore.open(url, timeout=30.0)
+    parsed = parse_url(url)
+    admin = aioredis.Redis(
+        host=parsed.host or "127.0.0.1", port=parsed.port or 6379, password=parsed.password
+    )
+    prefix = f"evict-{time.monotonic_ns()}-"
+    hits = 0
+    try:
+        before = int((await admin.info("stats"))["evicted_keys"])
+        for i in range(values):
+            await store.put([(f"{prefix}{i}", tensors[i % len(tensors)])])
+            if i >= lag and await store.get_into(f"{prefix}{i - lag}", out):
+                hits += 1
+                if not torch.equal(out, tensors[(i - lag) % len(tensors)]):
+                    raise RuntimeError("eviction probe read a wrong value")
+        evicted = int((await admin.info("stats"))["evicted_keys"]) - before
+        policy = (await admin.config_get("maxmemory-policy"))["maxmemory-policy"]
+        maxmemory = int((await admin.config_get("maxmemory"))["maxmemory"] or 0)
+    finally:
+        await store.close()
+        await admin.aclose()
+    reads = values - lag
+    return {
+        "value_size": value_size,
+        "values": values,
+        "lag": lag,
+        "maxmemory": maxmemory,
+        "policy": policy,
+        "reads": reads,
+        "hits": hits,
+        "hit_rate": hits / reads,
+        "corrupt": store.stats.corrupt,
+        "evicted_keys": evicted,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m asyncconn.bench_redis --port 6379 --size 4MiB --clients 1``: print one comparison."""
     import argparse
@@ -246,7 +299,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--probe", action="store_true", help="overwrite-then-read probe: direct vs copying get_into"
     )
+    parser.add_argument(
+        "--eviction",
+        action="store_true",
+        help="hit rate under eviction: write value i, read value i-4 (server needs maxmemory + allkeys-lru)",
+    )
+    parser.add_argument("--values", type=int, default=200, help="--eviction: values written")
     args = parser.parse_args(argv)
+    if args.eviction:
+        from asyncconn.runtime import Runtime
+
+        url = f"redis://{args.host}:{args.port}/0" + (f"?{args.query}" if args.query else "")
+        runtime = Runtime(name="asyncconn-eviction").start()
+        try:
+            hit_rate = runtime.run(eviction_hit_rate(url, parse_size(args.size), values=args.values))
+        finally:
+            runtime.close()
+        print(json.dumps(hit_rate, indent=2))
+        return 0
     if args.probe:
         from asyncconn.runtime import Runtime
 

@@ -42,6 +42,7 @@ from asyncconn.exceptions import (
     FrameTooLarge,
     FrameTruncated,
     FrameVersionError,
+    InvalidInput,
 )
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "header_size",
     "key_seed",
     "parse_header",
+    "check_tensor",
     "tensor_bytes",
     "verify_split",
 ]
@@ -128,13 +130,28 @@ class FrameHeader:
 def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
     """A flat uint8 memoryview over a contiguous CPU tensor's storage (no copy)."""
     if tensor.numel() == 0:  # memoryview.cast refuses shapes holding a zero, e.g. (2, 0)
-        return memoryview(b"")
+        return memoryview(bytearray())  # writable: it may be a read's destination
     # numpy arrays export the buffer protocol (their stubs do not say so). Going through numpy directly is
     # ~3x cheaper than reshape/view first, which only the dtypes numpy lacks (bfloat16, float8) need.
     array: Any = (
         tensor.numpy() if tensor.dtype in _NUMPY_DTYPES else tensor.reshape(-1).view(torch.uint8).numpy()
     )
     return memoryview(array).cast("B")
+
+
+def check_tensor(tensor: object, what: str = "a stored value") -> torch.Tensor:
+    """``tensor`` when it is a dense tensor with data; :class:`InvalidInput` otherwise.
+
+    Why: a sparse, nested or meta tensor has no flat byte payload to frame, and without this check each
+    surfaced as a different raw torch error (or, for a meta destination, as a silent miss).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidInput(f"{what} must be a torch.Tensor, not {type(tensor).__name__}")
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        raise InvalidInput(f"{what} must be a dense (strided) tensor, not a {tensor.layout} one")
+    if tensor.device.type == "meta":
+        raise InvalidInput(f"{what} is a meta tensor: it has no data")
+    return tensor
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -171,9 +188,9 @@ def _seed(flags: int, key: Key | None) -> int:
 def _header_prefix(dtype: torch.dtype, shape: Sequence[int], payload_len: int, flags: int = 0) -> bytes:
     code = _CODES.get(dtype)
     if code is None:
-        raise FrameMismatch(f"dtype {dtype} cannot be encoded (supported: {sorted(map(str, _CODES))})")
+        raise InvalidInput(f"dtype {dtype} cannot be encoded (supported: {sorted(map(str, _CODES))})")
     if len(shape) > MAX_NDIM:
-        raise FrameMismatch(f"tensor has {len(shape)} dims; at most {MAX_NDIM} can be encoded")
+        raise InvalidInput(f"tensor has {len(shape)} dims; at most {MAX_NDIM} can be encoded")
     return _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), flags, payload_len) + _SHAPES[
         len(shape)
     ].pack(*shape)
@@ -190,7 +207,7 @@ def encode_parts(tensor: torch.Tensor, *, key: Key | None = None) -> tuple[bytes
     The tensor is moved to the CPU and made contiguous if needed; the returned view keeps that CPU copy
     alive, so callers may write the two parts out (``writev``, a pipeline) without joining them.
     """
-    t = tensor.detach()
+    t = check_tensor(tensor).detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()

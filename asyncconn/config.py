@@ -18,8 +18,10 @@ from asyncconn.url import parse_bool, parse_duration, parse_size, parse_url
 
 __all__ = ["DEFAULT_BACKEND_URL", "Settings"]
 
-#: The embedded default store: a directory every process on the host can reach, no server to run.
-DEFAULT_BACKEND_URL = "file:///tmp/asyncconn-store"
+#: The embedded default store: a directory every process on the host can reach, no server to run. Bounded,
+#: least recently used values evicted first: /tmp is often memory (tmpfs) or the root disk, and an
+#: unbounded store there grew until it was full.
+DEFAULT_BACKEND_URL = "file:///tmp/asyncconn-store?max_bytes=4GiB"
 
 
 def _url(value: Any) -> str:

@@ -26,6 +26,9 @@ boundary where they enter, so callers -- vLLM adapters above all -- only ever ne
     ├── TransferError               a transfer engine (loader, save tracker, pinned pool) refused a request
     │   ├── PoolTooSmall            a buffer larger than the whole pinned pool was asked for
     │   └── DuplicateTransfer       a key already in flight in the same loader was submitted again
+    ├── InvalidInput                an argument a store call can never serve (a non-str key, a non-tensor,
+    │                               a sparse or meta tensor, a value that is not bytes); also TypeError
+    │                               and ValueError
     ├── LookupProtocolError         a lookup message that breaks the wire format (bad frames, sizes, keys)
     └── SimulationError             the offline vLLM engine simulator was given input vLLM would reject
 """
@@ -53,6 +56,7 @@ __all__ = [
     "TransferError",
     "PoolTooSmall",
     "DuplicateTransfer",
+    "InvalidInput",
     "LookupProtocolError",
     "SimulationError",
 ]
@@ -141,6 +145,14 @@ class PoolTooSmall(TransferError):
 
 class DuplicateTransfer(TransferError):
     """A key that is already being loaded by the same loader was submitted again."""
+
+
+class InvalidInput(AsyncConnError, TypeError, ValueError):
+    """A caller handed ``put``/``get`` (of a store or a backend) something no store can serve.
+
+    Raised before any I/O, the same on every backend. It also derives from TypeError and ValueError, the
+    builtins such a mistake used to surface as, so existing ``except`` clauses keep working.
+    """
 
 
 class LookupProtocolError(AsyncConnError):

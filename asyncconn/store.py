@@ -24,7 +24,7 @@ from typing import TypeVar
 import torch
 
 from asyncconn import codec
-from asyncconn.backend import SelfChecked, StorageBackend, open_backend
+from asyncconn.backend import SelfChecked, StorageBackend, checked_keys, open_backend
 from asyncconn.exceptions import BackendError, BackendTimeout, CodecError, FrameMismatch
 from asyncconn.runtime import fork_generation, forked_error, keep_inherited
 from asyncconn.url import StoreURL, parse_url, redact
@@ -102,7 +102,9 @@ class TensorStore:
 
     async def put(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Encode and store tensors (zero-copy of the payload: header and view are written as parts)."""
-        await self.put_frames((key, *codec.encode_parts(tensor, key=key)) for key, tensor in items)
+        pairs = list(items)
+        checked_keys([key for key, _ in pairs])  # before a key seeds a frame checksum
+        await self.put_frames([(key, *codec.encode_parts(tensor, key=key)) for key, tensor in pairs])
 
     async def put_frames(self, items: Iterable[tuple[str, bytes, memoryview]]) -> None:
         """Store values framed already: ``(key, header, payload)`` as :func:`codec.encode_parts` made them
@@ -154,6 +156,7 @@ class TensorStore:
 
     async def read_into(self, key: str, out: torch.Tensor) -> Fetch:
         """:meth:`get_into` that also tells a miss from a bad value (a loader reports them differently)."""
+        codec.check_tensor(out, "the destination")
         if self.backend.reads_into and out.is_contiguous() and out.device.type == "cpu":
             status = await self._get_into_direct(key, out)
         else:

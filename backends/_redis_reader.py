@@ -7,13 +7,13 @@ hiredis buffer -> reply ``bytes``), which held 4 MiB reads at ~0.6x of ``redis-b
 is parsed, so the payload is copied once (kernel -> chunk). With :meth:`ChunkReader.mget_into` the
 caller names that memory itself (slices of the destination tensor), so nothing is allocated per read.
 
-Scope is deliberately small: RESP2 replies to ``AUTH``, ``SELECT`` and ``MGET``, and to the pipelined
-``MULTI ... EXEC`` of a chunked write (:mod:`backends._redis_writer` builds it; :meth:`ChunkReader.execute`
-sends it), on plain TCP or unix sockets (``rediss://`` stays on redis-py). Every other command goes through
-redis-py. Nothing read is evaluated; a declared bulk length above the caller's cap (the manifest's total)
-is a protocol error, so a hostile server cannot make us allocate more than the value we asked for -- or,
-where the caller says so (the old value a ``SET ... GET`` hands back), it is read past and reported as
-:data:`SKIPPED`.
+Scope is deliberately small: RESP2 replies to ``AUTH``, ``SELECT``, ``MGET`` and ``HMGET``, and to the
+pipelined ``MULTI ... EXEC`` of a chunked write (:mod:`backends._redis_writer` builds it;
+:meth:`ChunkReader.execute` sends it), on plain TCP or unix sockets (``rediss://`` stays on redis-py). Every
+other command goes through redis-py. Nothing read is evaluated; a declared bulk length above the caller's
+cap (the manifest's total) is a protocol error, so a hostile server cannot make us allocate more than the
+value we asked for -- or, where the caller says so (a transaction's replies), it is read
+past and reported as :data:`SKIPPED`.
 
 Ownership: a connection is either idle in :class:`ChunkReader` or lent to exactly one request. A request
 that fails or is cancelled closes its connection (a half-read reply cannot be resumed) instead of
@@ -308,8 +308,22 @@ class ChunkReader:
 
     async def mget(self, names: Sequence[str], max_bulk: int) -> list[bytes | bytearray | None]:
         """``MGET names``; each present value is a fresh ``bytearray`` of at most ``max_bulk`` bytes."""
-        replies = await self._request(names, max_bulk, ())
+        replies = await self._request((b"MGET",), names, max_bulk, ())
         return [r if isinstance(r, bytearray) else None for r in replies]
+
+    async def hmget(self, key: str, fields: Sequence[str], max_bulk: int) -> list[bytes | bytearray | None]:
+        """``HMGET key fields``: :meth:`mget` over the fields of one hash (a chunked value's chunks)."""
+        replies = await self._request((b"HMGET", key.encode()), fields, max_bulk, ())
+        return [r if isinstance(r, bytearray) else None for r in replies]
+
+    async def hmget_into(
+        self, key: str, fields: Sequence[str], slots: Sequence[memoryview], max_bulk: int
+    ) -> list[memoryview | bytearray | None]:
+        """``HMGET key fields``, each value received into its slot: :meth:`mget_into` over one hash."""
+        if len(slots) != len(fields):
+            raise ValueError("hmget_into needs one slot per field")
+        replies = await self._request((b"HMGET", key.encode()), fields, max_bulk, slots)
+        return [r if isinstance(r, (memoryview, bytearray)) else None for r in replies]
 
     async def mget_into(
         self, names: Sequence[str], slots: Sequence[memoryview], max_bulk: int
@@ -326,11 +340,14 @@ class ChunkReader:
         """
         if len(slots) != len(names):
             raise ValueError("mget_into needs one slot per name")
-        replies = await self._request(names, max_bulk, slots)
+        replies = await self._request((b"MGET",), names, max_bulk, slots)
         return [r if isinstance(r, (memoryview, bytearray)) else None for r in replies]
 
-    async def _request(self, names: Sequence[str], max_bulk: int, slots: Sequence[memoryview]) -> list[Reply]:
-        payload = _command(b"MGET", *(n.encode() for n in names))
+    async def _request(
+        self, command: tuple[bytes, ...], names: Sequence[str], max_bulk: int, slots: Sequence[memoryview]
+    ) -> list[Reply]:
+        """``command`` (``MGET``, or ``HMGET`` and its key) followed by ``names``, whose values are read."""
+        payload = _command(*command, *(n.encode() for n in names))
         return await self._run(payload, 1, max_bulk, slots, skip_oversized=False)
 
     async def execute(
@@ -339,8 +356,8 @@ class ChunkReader:
         """Send pre-built commands (``payload``, written un-joined) and return their ``replies`` replies.
 
         Arrays are flattened into the list. A bulk reply over ``max_bulk`` is :data:`SKIPPED`, not an
-        error: the caller asked for something it only needs to recognise (the old value ``SET ... GET``
-        hands back), and reading past it keeps the connection usable. An error reply raises
+        error: a transaction's replies are only recognised, never kept, and reading past a large one
+        keeps the connection usable. An error reply raises
         :class:`ReplyError` once the connection has been closed (the rest of the replies are not read).
         A dead pooled connection is retried once on a fresh one, so ``payload`` must be safe to send
         twice (a chunked write is: same keys, same bytes, same version).

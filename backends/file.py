@@ -8,36 +8,72 @@ frame goes from the page cache into a pinned staging tensor with a single copy.
 
 Key -> path: ``<root>/<2 hex of blake2b(key)>/<percent-encoded key>`` (a hash when that name is too long),
 so any key string is a safe file name and no directory grows without bound.
+
+Bounded store (``max_bytes``): a value's *last use* is its file's modification time, which a write sets and
+a read sets again (``utime``, at most once a second per value). A sweep lists the directory, and when the
+values add up to more than ``max_bytes`` it deletes the least recently used ones until they fit in 90% of
+it. Everything it goes by is in the directory itself, so processes sharing it (E and PD instances) agree on
+what was used last, and a lock file lets one of them sweep at a time.
+
+Temporary files: a writer holds an exclusive ``flock`` on its temporary file until it has been renamed into
+place, and the kernel drops that lock when the writer dies. A sweep removes every temporary file whose lock
+it can take: a killed writer's leftovers go at the next sweep (one runs when the store is opened, then every
+``sweep_interval``), a live writer's are never touched.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
+import fcntl
 import hashlib
+import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
 from urllib.parse import quote
 
-from asyncconn.backend import Buffer, Sink, StorageBackend, Value
+from asyncconn.backend import (
+    Buffer,
+    Sink,
+    StorageBackend,
+    Value,
+    checked_dests,
+    checked_items,
+    checked_keys,
+    value_nbytes,
+)
 from asyncconn.exceptions import BackendError, BackendUnavailable, ConfigError
 from asyncconn.url import Param, StoreURL
 
-__all__ = ["FileBackend"]
+__all__ = ["FileBackend", "SweepReport"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _MAX_NAME = 200
 _TMP_PREFIX = ".tmp."
+#: At the root, next to the 256 key directories; its flock lets one process sweep at a time.
+_SWEEP_LOCK = ".sweep.lock"
+#: A sweep that finds the store over ``max_bytes`` evicts down to this fraction of it, so that the next
+#: writes do not each start another sweep.
+_LOW_WATER = 0.9
+#: A read records a use only when the last one recorded is older than this (one ``utime`` per second at most).
+_TOUCH_NS = 1_000_000_000
 _PARALLEL_MIN = 4 << 20
 _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
 def _split_ranges(size: int, parts: int) -> list[tuple[int, int]]:
+    if size <= 0:
+        return [(0, 0)]
     step = -(-size // max(parts, 1))
     return [(a, min(a + step, size)) for a in range(0, size, step)] or [(0, 0)]
 
@@ -74,6 +110,46 @@ def _pread_exact(fd: int, views: list[memoryview], offset: int, flags: int = 0) 
     return done
 
 
+@dataclass(frozen=True, slots=True)
+class SweepReport:
+    """What one sweep found and did (``None`` from :meth:`FileBackend.sweep` when another process held it)."""
+
+    #: bytes of value files (and of temporary files still being written) left under the root
+    stored_bytes: int
+    #: values deleted to bring the store under ``max_bytes``, least recently used first
+    evicted: int
+    #: temporary files of dead writers removed
+    temp_removed: int
+
+
+def _touch(fd: int, mtime_ns: int) -> None:
+    """Record a read of the open file as its last use (see the module docstring)."""
+    if time.time_ns() - mtime_ns >= _TOUCH_NS:
+        # Another user's file (no write permission) cannot be touched: that read is not recorded.
+        with contextlib.suppress(OSError):
+            os.utime(fd)
+
+
+def _reap_temp(path: str) -> bool:
+    """Remove a temporary file whose writer is gone (its flock is free); False when it is alive or gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its writer is alive and still writing
+        try:
+            os.unlink(path)  # gone already when the writer renamed it into place meanwhile
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
 def _parts(value: Value) -> list[memoryview]:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return [memoryview(value).cast("B")]
@@ -91,6 +167,12 @@ class FileBackend(StorageBackend):
         "inline_reads": Param.boolean(
             True, "read page-cached values on the loop (preadv RWF_NOWAIT); false on network filesystems"
         ),
+        "max_bytes": Param.size(
+            0, "bound on the stored values; the least recently used (read or written) go first (0: none)"
+        ),
+        "sweep_interval": Param.duration(
+            30.0, "how often dead writers' temporary files are removed and max_bytes enforced"
+        ),
     }
     reads_into: ClassVar[bool] = True
 
@@ -103,7 +185,13 @@ class FileBackend(StorageBackend):
         create: bool = True,
         read_threads: int = 2,
         inline_reads: bool = True,
+        max_bytes: int = 0,
+        sweep_interval: float = 30.0,
     ) -> None:
+        if max_bytes < 0:
+            raise ConfigError("file:// URL: parameter 'max_bytes' must be >= 0")
+        if not sweep_interval > 0:
+            raise ConfigError("file:// URL: parameter 'sweep_interval' must be > 0")
         self.root = Path(root)
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -112,6 +200,12 @@ class FileBackend(StorageBackend):
         self.fsync = fsync
         self.read_threads = read_threads
         self.inline_reads = inline_reads
+        self.max_bytes = max_bytes
+        self.sweep_interval = sweep_interval
+        # Loop-thread state: the store's size at the last sweep plus what this process wrote since.
+        self._estimate = 0
+        self._wake: asyncio.Event | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="asyncconn-file")
         # Helpers of split reads live in their own pool so a read never waits behind another read's job.
         self._aux = ThreadPoolExecutor(
@@ -127,16 +221,25 @@ class FileBackend(StorageBackend):
         if not url.path or url.path == "/":
             raise ConfigError("file:// URL needs a directory path, e.g. file:///var/cache/asyncconn")
         try:
-            return cls(
+            backend = cls(
                 url.path,
                 workers=opts["workers"],
                 fsync=opts["fsync"],
                 create=opts["create"],
                 read_threads=opts["read_threads"],
                 inline_reads=opts["inline_reads"],
+                max_bytes=opts["max_bytes"],
+                sweep_interval=opts["sweep_interval"],
             )
         except OSError as exc:
             raise BackendUnavailable(f"file:// root {url.path!r} is not usable: {exc.strerror}") from exc
+        try:
+            await backend.sweep()  # leftovers of writers killed while no process had the store open
+        except BaseException:
+            await backend.close()
+            raise
+        backend._start_sweeper()
+        return backend
 
     # -- key layout ------------------------------------------------------------------------------------
     def path_for(self, key: str) -> Path:
@@ -150,8 +253,7 @@ class FileBackend(StorageBackend):
     def _write(self, key: str, value: Value) -> None:
         path = self.path_for(key)
         path.parent.mkdir(exist_ok=True)
-        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        tmp, fd = self._open_temp(path.parent)
         try:
             for part in _parts(value):
                 rest = part
@@ -159,16 +261,32 @@ class FileBackend(StorageBackend):
                     rest = rest[os.write(fd, rest) :]
             if self.fsync:
                 os.fsync(fd)
+            os.replace(tmp, path)  # still locked: a sweep never takes a file being renamed
         except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        finally:
+            os.close(fd)  # drops the lock
+
+    @staticmethod
+    def _open_temp(directory: Path) -> tuple[Path, int]:
+        """A new temporary file, created and flock'ed: the lock tells sweeps its writer is alive.
+
+        A sweep may take the lock in the instant between creation and ``flock`` and remove the file; the
+        writer then holds the lock of a file with no name (``st_nlink == 0``) and starts again.
+        """
+        while True:
+            tmp = directory / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits only while a sweep checks this very file
+                if os.fstat(fd).st_nlink:
+                    return tmp, fd
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
 
     def _read(self, key: str) -> bytearray | None:
         try:
@@ -176,7 +294,9 @@ class FileBackend(StorageBackend):
         except FileNotFoundError:
             return None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            _touch(fd, st.st_mtime_ns)
             buf = bytearray(size)
             view = memoryview(buf)
             got = 0
@@ -197,9 +317,11 @@ class FileBackend(StorageBackend):
         except FileNotFoundError:
             return None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size != sum(d.nbytes for d in dests):
                 return size
+            _touch(fd, st.st_mtime_ns)
             views = [d.cast("B") for d in dests]
             got = self._read_split(fd, views, size, _RWF_NOWAIT if nowait else 0)
             if got != size:
@@ -238,6 +360,96 @@ class FileBackend(StorageBackend):
             return False
         return True
 
+    def _sweep(self) -> SweepReport | None:
+        """(pool thread) Remove dead writers' temporary files; evict down to the bound. None: locked."""
+        lock = os.open(self.root / _SWEEP_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None  # another process (or this one) is sweeping right now
+            return self._sweep_locked()
+        finally:
+            os.close(lock)
+
+    def _sweep_locked(self) -> SweepReport:
+        stored = temp_removed = 0
+        values: list[tuple[int, int, str, int]] = []  # last use, size, path, inode
+        with os.scandir(self.root) as top:
+            subdirs = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+        for subdir in subdirs:
+            try:
+                with os.scandir(subdir) as entries:
+                    listed = list(entries)
+            except FileNotFoundError:
+                continue
+            for entry in listed:
+                if entry.name.startswith(_TMP_PREFIX) and _reap_temp(entry.path):
+                    temp_removed += 1
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                stored += st.st_size
+                if not entry.name.startswith(_TMP_PREFIX) and entry.is_file(follow_symlinks=False):
+                    values.append((st.st_mtime_ns, st.st_size, entry.path, st.st_ino))
+        evicted = 0
+        if self.max_bytes and stored > self.max_bytes:
+            target = int(self.max_bytes * _LOW_WATER)
+            values.sort()
+            for used, size, path, inode in values:
+                if stored <= target:
+                    break
+                try:
+                    st = os.stat(path, follow_symlinks=False)
+                except FileNotFoundError:
+                    stored -= size
+                    continue
+                if st.st_ino != inode or st.st_mtime_ns != used:
+                    continue  # rewritten or read since the listing: used now, keep it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    evicted += 1
+                stored -= size
+        return SweepReport(stored, evicted, temp_removed)
+
+    async def sweep(self) -> SweepReport | None:
+        """Run one sweep now (see the module docstring); ``None`` when another one held the lock."""
+        written = self._estimate
+        report = await self._run(self._sweep)
+        if report is not None:
+            # What this process wrote while the sweep ran may or may not be in its count: assume not.
+            self._estimate = report.stored_bytes + max(0, self._estimate - written)
+        return report
+
+    def _start_sweeper(self) -> None:
+        self._wake = asyncio.Event()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        assert self._wake is not None
+        while not self._closed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.sweep_interval)
+            self._wake.clear()
+            try:
+                report = await self.sweep()
+            except BackendError as exc:
+                log.warning("file store %r: sweep failed: %s", str(self.root), exc)
+                continue
+            if report is not None and (report.evicted or report.temp_removed):
+                log.info(
+                    "file store %r: %d values evicted, %d dead writers' temporary files removed, %d bytes",
+                    str(self.root), report.evicted, report.temp_removed, report.stored_bytes,
+                )  # fmt: skip
+
+    def _wrote(self, nbytes: int) -> None:
+        """(loop) Count a write against the bound; past it, wake the sweeper at once."""
+        self._estimate += nbytes
+        if self.max_bytes and self._estimate > self.max_bytes and self._wake is not None:
+            self._wake.set()
+
     # -- async contract --------------------------------------------------------------------------------
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         if self._closed:
@@ -253,13 +465,24 @@ class FileBackend(StorageBackend):
         return BackendError(f"file store {str(self.root)!r}: {exc}")
 
     async def put(self, items: Sequence[tuple[str, Value]]) -> None:
-        await asyncio.gather(*(self._run(self._write, k, v) for k, v in items))
+        checked_items(items)
+        sizes = [value_nbytes(v) for _, v in items]
+        if self.max_bytes and any(size > self.max_bytes for size in sizes):
+            raise BackendError(
+                f"file store {str(self.root)!r}: a value of {max(sizes)} bytes is over max_bytes"
+            )
+        try:
+            await asyncio.gather(*(self._run(self._write, k, v) for k, v in items))
+        finally:
+            self._wrote(sum(sizes))
 
     async def get(self, keys: Sequence[str]) -> list[Sequence[Buffer] | None]:
+        checked_keys(keys)
         found = await asyncio.gather(*(self._run(self._read, k) for k in keys))
         return [(b,) if b is not None else None for b in found]
 
     async def get_into(self, key: str, dests: Sequence[memoryview], sink: Sink | None = None) -> int | None:
+        checked_dests(key, dests)
         if self.inline_reads and _RWF_NOWAIT:
             # A value already in the page cache is read right here: preadv(RWF_NOWAIT) never waits for the
             # disk (it raises instead), and skipping the round trip through a pool thread is most of the cost
@@ -283,13 +506,19 @@ class FileBackend(StorageBackend):
             raise
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        checked_keys(keys)
         return await self._run(lambda: [self.path_for(k).is_file() for k in keys])
 
     async def delete(self, keys: Sequence[str]) -> int:
+        checked_keys(keys)
         return await self._run(lambda: sum(self._delete(k) for k in keys))
 
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._sweeper
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._aux.shutdown(wait=False, cancel_futures=True)

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import ClassVar
 
-from asyncconn.backend import Buffer, StorageBackend, Value
+from asyncconn.backend import Buffer, StorageBackend, Value, checked_items, checked_keys
 from asyncconn.exceptions import BackendUnavailable
 from asyncconn.url import Param, StoreURL
 
@@ -60,6 +60,7 @@ class MemoryBackend(StorageBackend):
             await asyncio.sleep(self.latency)
 
     async def put(self, items: Sequence[tuple[str, Value]]) -> None:
+        checked_items(items)
         await self._enter()
         new = {key: _join(value) for key, value in items}
         if self.max_bytes:
@@ -69,15 +70,18 @@ class MemoryBackend(StorageBackend):
         self._data.update(new)
 
     async def get(self, keys: Sequence[str]) -> list[Sequence[Buffer] | None]:
+        checked_keys(keys)
         await self._enter()
         data = self._data
         return [(v,) if (v := data.get(k)) is not None else None for k in keys]
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        checked_keys(keys)
         await self._enter()
         return [k in self._data for k in keys]
 
     async def delete(self, keys: Sequence[str]) -> int:
+        checked_keys(keys)
         await self._enter()
         return sum(self._data.pop(k, None) is not None for k in keys)
 

@@ -45,7 +45,17 @@ from typing import Any, ClassVar, TypeVar
 
 import xxhash
 
-from asyncconn.backend import Buffer, Sink, StorageBackend, Value, sink_verifies, value_verifies
+from asyncconn.backend import (
+    Buffer,
+    Sink,
+    StorageBackend,
+    Value,
+    checked_dests,
+    checked_items,
+    checked_keys,
+    sink_verifies,
+    value_verifies,
+)
 from asyncconn.exceptions import (
     BackendError,
     BackendNotInstalled,
@@ -267,6 +277,7 @@ class MooncakeBackend(StorageBackend):
     # -- contract --------------------------------------------------------------------------------------
     async def put(self, items: Sequence[tuple[str, Value]]) -> None:
         """One thread hop for the batch, whose values are written together where they can be (TCP)."""
+        checked_items(items)
         if not items:
             return
         jobs = [(self._key(key), _parts(value), value_verifies(value)) for key, value in items]
@@ -367,6 +378,7 @@ class MooncakeBackend(StorageBackend):
         return int(code)
 
     async def get(self, keys: Sequence[str]) -> list[Sequence[Buffer] | None]:
+        checked_keys(keys)
         if not keys:
             return []
         return await self._call("get", self._get_blocking, [self._key(k) for k in keys])
@@ -412,6 +424,7 @@ class MooncakeBackend(StorageBackend):
 
     async def get_into(self, key: str, dests: Sequence[memoryview], sink: Sink | None = None) -> int | None:
         """Header and value straight into ``dests`` in one request; a length mismatch touches nothing."""
+        checked_dests(key, dests)
         targets = [d.cast("B") for d in dests]
         size = sum(t.nbytes for t in targets)
         name = self._key(key)
@@ -583,6 +596,7 @@ class MooncakeBackend(StorageBackend):
         return max(0, int(total) - HEADER_SIZE)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        checked_keys(keys)
         if not keys:
             return []
         found = await self._call("exists", self._store.batch_is_exist, [self._key(k) for k in keys])
@@ -592,6 +606,7 @@ class MooncakeBackend(StorageBackend):
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove keys, forcing past read leases (a value just read is leased for seconds by the master)."""
+        checked_keys(keys)
         if not keys:
             return 0
         codes = await self._call("delete", self._store.batch_remove, [self._key(k) for k in keys], True)

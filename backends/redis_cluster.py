@@ -6,13 +6,13 @@ URL::
 
 The hosts are seed nodes: any one reachable node is enough, the client learns every master from it and
 follows the cluster's slot map from then on. The value layout, consistency rules and error translation are
-:class:`backends.redis.RedisBackend`'s, reused by subclassing: its keys ``<prefix>{<key>}`` and
-``<prefix>{<key>}:<version>:<i>`` share the hash tag ``<key>``, so one value's manifest and chunks live on
-one slot of one node, and the MULTI/EXEC that writes them is legal in a cluster. What differs:
+:class:`backends.redis.RedisBackend`'s, reused by subclassing: one value is one key ``<prefix>{<key>}``
+(inline, or a hash of manifest and chunks), so it lives on one slot of one node and the MULTI/EXEC that
+writes it is legal in a cluster. What differs:
 
-- batched commands (``exists``, ``delete``, inline ``put``, the manifest ``MGET``) go through redis-py's
+- batched commands (``exists``, ``delete``, inline ``put``, the head reads) go through redis-py's
   cluster pipeline, which splits them per node and sends each node's share concurrently;
-- a chunked ``put`` runs MULTI/SET.../EXEC on the value's node with :class:`_SlotTransaction` (redis-py's
+- a chunked ``put`` runs MULTI/UNLINK/HSET/EXEC on the value's node with :class:`_SlotTransaction` (redis-py's
   own transactional cluster pipeline starts a thread and a new event loop per queued command);
 - node failures: a refused or dropped connection, ``CLUSTERDOWN``, ``TRYAGAIN`` or an uncovered slot is a
   :class:`BackendUnavailable`, a node that does not answer a :class:`BackendTimeout`, both within
@@ -59,8 +59,7 @@ class _SlotTransaction(ClusterPipeline):
     Commands are queued here as plain argument tuples; ``execute`` sends MULTI, them and EXEC in one
     write and, when the slot has moved (``MOVED`` aborts the transaction) or the node's connection broke,
     re-reads the slot map and sends the whole transaction again. Re-sending is safe: the only
-    transaction written is a chunked put, whose chunk keys are write-once and whose manifest SET is
-    idempotent.
+    transaction written is a chunked put, which replaces its key with the same version again.
     """
 
     def __init__(self, client: RedisCluster) -> None:
@@ -123,12 +122,12 @@ class _Cluster(RedisCluster):
         return super().pipeline(transaction, shard_hint)
 
     async def mget(self, keys: Any, *args: Any) -> list[Any]:  # type: ignore[override]
-        # One value's chunk keys share a slot, but a batch's manifest keys do not: split per slot/node.
+        # A batch's keys are on many slots: split per slot/node.
         return await self.mget_nonatomic(keys, *args)
 
 
 class _NodeReaders(ChunkReader):
-    """:class:`ChunkReader`'s interface over a cluster: each name's ``MGET`` goes to its slot's node.
+    """:class:`ChunkReader`'s interface over a cluster: ``HMGET`` goes to its key's node, ``MGET`` per name.
 
     One raw reader per node, opened on first use. A batch is split per node and the parts run at once;
     their replies are put back in the caller's order. When a node answers with an error (the slot moved,
@@ -168,10 +167,14 @@ class _NodeReaders(ChunkReader):
             self._nodes[node.name] = reader
         return reader
 
-    async def _request(self, names: Sequence[str], max_bulk: int, slots: Sequence[memoryview]) -> list[Reply]:
+    async def _request(
+        self, command: tuple[bytes, ...], names: Sequence[str], max_bulk: int, slots: Sequence[memoryview]
+    ) -> list[Reply]:
         if self._closed:
             raise BackendUnavailable("chunk reader is closed")
         await self._cluster.initialize()
+        if command[0] == b"HMGET":  # one hash: one slot, one node
+            return await self._hash_request(command, names, max_bulk, slots)
         by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
         for index, name in enumerate(names):
             node = self._cluster.get_node_from_key(name)
@@ -183,7 +186,7 @@ class _NodeReaders(ChunkReader):
             wanted = [names[i] for i in indexes]
             spots = [slots[i] for i in indexes] if slots else ()
             try:
-                got = await self._reader_for(node)._request(wanted, max_bulk, spots)
+                got = await self._reader_for(node)._request(command, wanted, max_bulk, spots)
             except ReplyError:  # MOVED / ASK / CLUSTERDOWN: let redis-py follow it
                 values = await self._cluster.mget_nonatomic(wanted)
                 got = [bytearray(v) if v is not None else None for v in values]
@@ -192,6 +195,18 @@ class _NodeReaders(ChunkReader):
 
         await _gather(part(node, indexes) for node, indexes in by_node.values())
         return replies
+
+    async def _hash_request(
+        self, command: tuple[bytes, ...], fields: Sequence[str], max_bulk: int, slots: Sequence[memoryview]
+    ) -> list[Reply]:
+        key = command[1].decode()
+        node = self._cluster.get_node_from_key(key)
+        assert node is not None  # a primary is always returned (or SlotNotCoveredError raised)
+        try:
+            return await self._reader_for(node)._request(command, fields, max_bulk, slots)
+        except ReplyError:  # MOVED / ASK / CLUSTERDOWN: let redis-py follow it
+            values: list[bytes | None] = await self._cluster.hmget(key, list(fields))  # type: ignore[assignment]
+            return [bytearray(v) if v is not None else None for v in values]
 
     async def close(self) -> None:
         self._closed = True
@@ -237,8 +252,8 @@ class RedisClusterBackend(RedisBackend):
         reader: ChunkReader | None = None,
     ) -> None:
         # Deliberately not RedisBackend.__init__, which builds a single-server client around a pool.
-        # RedisCluster offers every command the inherited methods call (pipeline, mget, set, getdel,
-        # exists, unlink, delete, ping) with the same signatures.
+        # RedisCluster offers every command the inherited methods call (pipeline, mget, hget, hmget, set,
+        # exists, unlink, ping) with the same signatures.
         self._cluster = client
         self._client = client  # type: ignore[assignment]
         self._settings("redis+cluster", name, password, prefix, ttl, chunk_size, parallel, timeout, reader)
@@ -310,9 +325,6 @@ class RedisClusterBackend(RedisBackend):
         if self._generation != fork_generation():  # a forked child: the sockets are the parent's
             keep_inherited(self)
             return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.timeout):
-                await self.settle()
         if self._reader is not None:
             await self._reader.close()
         with contextlib.suppress(rexc.RedisError, OSError):

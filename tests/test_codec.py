@@ -15,6 +15,7 @@ from asyncconn.exceptions import (
     FrameTooLarge,
     FrameTruncated,
     FrameVersionError,
+    InvalidInput,
 )
 
 DTYPES = [
@@ -154,7 +155,7 @@ def test_foreign_values_are_codec_errors() -> None:
 
 
 def test_unsupported_dtype_cannot_be_encoded() -> None:
-    with pytest.raises(FrameMismatch):
+    with pytest.raises(InvalidInput):
         codec.encode(torch.zeros(2, dtype=torch.complex64))
 
 

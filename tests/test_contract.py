@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
+from asyncconn import codec
 from asyncconn.backend import StorageBackend, open_backend
-from asyncconn.exceptions import BackendError
-from asyncconn.store import TensorStore
+from asyncconn.exceptions import BackendError, InvalidInput
+from asyncconn.store import Fetch, TensorStore
 from tests.servers import RedisServer
 from tests.servers_distributed import MooncakeMaster, RedisCluster, mooncake_contract_url
 
@@ -195,3 +196,73 @@ async def test_a_value_copied_to_another_key_is_a_miss_there(backend: StorageBac
     out = torch.empty(4, 8)
     assert not await store.get_into("img-b", out)
     assert store.stats.corrupt >= 2
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 4096), (3, 0, 5)])
+async def test_empty_tensors_on_every_read_path(backend: StorageBackend, shape: tuple[int, ...]) -> None:
+    """Zero-element tensors round-trip through get, the direct read and the copying read alike."""
+    store = TensorStore(backend, timeout=10)
+    tensor = torch.empty(shape, dtype=torch.float16)
+    await store.put([("empty", tensor)])
+    (got,) = await store.get(["empty"])
+    assert got is not None and got.shape == tensor.shape and got.dtype == tensor.dtype
+    assert await store.read_into("empty", torch.empty(shape, dtype=torch.float16)) is Fetch.HIT
+    # The copying read every backend inherits (the one a backend without direct reads takes).
+    header = bytearray(codec.header_size(len(shape)))
+    dests = [memoryview(header), memoryview(bytearray())]
+    assert await StorageBackend.get_into(backend, "empty", dests) == len(header)
+    # A zero-byte value read into no destination at all, directly and through the base path.
+    await backend.put([("zero", b"")])
+    assert await backend.get_into("zero", []) == 0
+    assert await StorageBackend.get_into(backend, "zero", []) == 0
+    assert await store.read_into("absent", torch.empty(shape)) is Fetch.MISS
+
+
+_STORE_MISUSE = {
+    "put a non-tensor": lambda s: s.put([("k", [1.0, 2.0])]),
+    "put a sparse tensor": lambda s: s.put([("k", torch.eye(3).to_sparse())]),
+    "put a meta tensor": lambda s: s.put([("k", torch.empty(3, device="meta"))]),
+    "put a complex tensor": lambda s: s.put([("k", torch.zeros(2, dtype=torch.complex64))]),
+    "put under an int key": lambda s: s.put([(3, torch.ones(2))]),
+    "put under an empty key": lambda s: s.put([("", torch.ones(2))]),
+    "get an int key": lambda s: s.get([3]),
+    "get bytes keys": lambda s: s.get([b"k"]),
+    "get a str as the key list": lambda s: s.get("k"),
+    "exists an int key": lambda s: s.exists([None]),
+    "delete an int key": lambda s: s.delete([1.5]),
+    "read into a meta tensor": lambda s: s.get_into("k", torch.empty(3, device="meta")),
+    "read into a sparse tensor": lambda s: s.get_into("k", torch.eye(3).to_sparse()),
+    "read into a bytearray": lambda s: s.get_into("k", bytearray(12)),
+    "read an int key": lambda s: s.get_into(7, torch.empty(3)),
+}
+_BACKEND_MISUSE = {
+    "put an int value": lambda b: b.put([("k", 5)]),
+    "put a str value": lambda b: b.put([("k", "text")]),
+    "put a part that is not bytes": lambda b: b.put([("k", [b"head", 7])]),
+    "put a non-pair": lambda b: b.put([("k", b"v", b"extra")]),
+    "put under an int key": lambda b: b.put([(3, b"v")]),
+    "get an int key": lambda b: b.get(["ok", 3]),
+    "exists bytes keys": lambda b: b.exists([b"k"]),
+    "delete an int key": lambda b: b.delete([3]),
+    "get_into an int key": lambda b: b.get_into(3, [memoryview(bytearray(4))]),
+    "get_into a read-only destination": lambda b: b.get_into("k", [memoryview(b"1234")]),
+    "get_into a bytearray destination": lambda b: b.get_into("k", [bytearray(4)]),
+}
+
+
+@pytest.mark.parametrize("misuse", list(_STORE_MISUSE))
+async def test_invalid_store_input_is_invalid_input(backend: StorageBackend, misuse: str) -> None:
+    store = TensorStore(backend, timeout=10)
+    await store.put([("k", torch.ones(3))])
+    with pytest.raises(InvalidInput):
+        await _STORE_MISUSE[misuse](store)
+    (still,) = await store.get(["k"])  # nothing was written or broken by the refused call
+    assert still is not None and torch.equal(still, torch.ones(3))
+
+
+@pytest.mark.parametrize("misuse", list(_BACKEND_MISUSE))
+async def test_invalid_backend_input_is_invalid_input(backend: StorageBackend, misuse: str) -> None:
+    await backend.put([("k", b"1234")])
+    with pytest.raises(InvalidInput):
+        await _BACKEND_MISUSE[misuse](backend)
+    assert _join((await backend.get(["k"]))[0]) == b"1234"

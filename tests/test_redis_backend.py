@@ -29,7 +29,7 @@ from backends._redis_layout import (
     main_key,
     split_value,
 )
-from backends._redis_writer import RecentVersions, chunked_write
+from backends._redis_writer import chunked_write
 from backends.redis import RedisBackend
 from tests.servers import RedisServer, wait_port
 
@@ -97,36 +97,21 @@ def test_fill_scatters_across_destinations() -> None:
 def test_chunked_write_is_resp_around_the_callers_memory() -> None:
     big = memoryview(bytearray(b"x" * 5000))
     small = memoryview(b"hdr")
-    job = chunked_write("{k}", b"MANIFEST", ["{k}:v:0", "{k}:v:1"], [small, big], px=1500, stale=["{k}:o:0"])
-    expiry = b"$2\r\nPX\r\n$4\r\n1500\r\n"
+    job = chunked_write("{k}", b"MANIFEST", ["v:0", "v:1"], [small, big], px=1500)
     expected = (
         b"*1\r\n$5\r\nMULTI\r\n"
-        b"*5\r\n$3\r\nSET\r\n$7\r\n{k}:v:0\r\n$3\r\nhdr\r\n" + expiry
-        + b"*5\r\n$3\r\nSET\r\n$7\r\n{k}:v:1\r\n$5000\r\n" + b"x" * 5000 + b"\r\n" + expiry
-        + b"*6\r\n$3\r\nSET\r\n$3\r\n{k}\r\n$8\r\nMANIFEST\r\n" + expiry + b"$3\r\nGET\r\n"
-        + b"*2\r\n$6\r\nUNLINK\r\n$7\r\n{k}:o:0\r\n"
+        b"*2\r\n$6\r\nUNLINK\r\n$3\r\n{k}\r\n"
+        b"*8\r\n$4\r\nHSET\r\n$3\r\n{k}\r\n$1\r\nm\r\n$8\r\nMANIFEST\r\n"
+        b"$3\r\nv:0\r\n$3\r\nhdr\r\n$3\r\nv:1\r\n$5000\r\n" + b"x" * 5000 + b"\r\n"
+        + b"*3\r\n$7\r\nPEXPIRE\r\n$3\r\n{k}\r\n$4\r\n1500\r\n"
         + b"*1\r\n$4\r\nEXEC\r\n"
     )  # fmt: skip
     assert b"".join(job.payload) == expected
     assert any(part is big for part in job.payload)  # sent from the caller's memory, not copied
     assert len(job.payload) == 3  # small buffers around the one large argument
-    # OK, 4 x QUEUED, then EXEC's array: OK, OK, <old manifest>, <unlinked count>
-    assert (job.replies, job.replaced_at) == (6, 7)
-    plain = chunked_write("{k}", b"M", ["{k}:v:0"], [small], px=None)
-    assert b"PX" not in b"".join(plain.payload) and (plain.replies, plain.replaced_at) == (4, 4)
-
-
-def test_recent_versions_are_bounded() -> None:
-    recent = RecentVersions(capacity=2)
-    a, b, c = (Manifest(bytes([i]) * 8, 1, 10) for i in range(3))
-    recent.remember("a", a)
-    recent.remember("b", b)
-    recent.remember("a", a)  # refreshed: "b" is now the oldest
-    recent.remember("c", c)
-    assert (recent.get("a"), recent.get("b"), recent.get("c"), len(recent)) == (a, None, c, 2)
-    recent.forget("a")
-    recent.forget("nothing")
-    assert recent.get("a") is None and len(recent) == 1
+    assert (job.replies, job.items) == (5, 7)  # OK, 3 x QUEUED, EXEC's array of 3 integers
+    plain = chunked_write("{k}", b"M", ["v:0"], [small], px=None)
+    assert b"PEXPIRE" not in b"".join(plain.payload) and (plain.replies, plain.items) == (4, 5)
 
 
 # -- round trips ---------------------------------------------------------------------------------------
@@ -139,9 +124,13 @@ async def test_round_trip_raw_values(redis_server: RedisServer, raw: aioredis.Re
         await backend.put([("k", value)])
         (got,) = await backend.get(["k"])
         assert got is not None and b"".join(got) == value
-        keys = await raw.keys(f"{prefix}*")
-        # exactly chunk_size stays inline: one key; above it, a manifest plus ceil(size / 1KiB) chunks
-        assert len(keys) == (1 if size <= 1024 else 1 + -(-size // 1024))
+        # one key per value: a string up to chunk_size, above it a hash of manifest + ceil(size / 1KiB) chunks
+        assert await raw.keys(f"{prefix}*") == [main_key(prefix, "k").encode()]
+        head = main_key(prefix, "k")
+        if size <= 1024:
+            assert await raw.type(head) == b"string"
+        else:
+            assert await raw.type(head) == b"hash" and await raw.hlen(head) == 1 + -(-size // 1024)
         assert await backend.exists(["k", "absent"]) == [True, False]
         assert await backend.delete(["k", "absent"]) == 1
         assert await raw.keys(f"{prefix}*") == []
@@ -241,23 +230,20 @@ async def test_overwrite_probe_reads_both_paths(redis_server: RedisServer, raw: 
 
 async def test_overwrites_leave_no_orphan_chunks(redis_server: RedisServer, raw: aioredis.Redis) -> None:
     backend = await _open(_url(redis_server, "chunk_size=100&prefix=ow:"))
+    head = main_key("ow:", "k")
     try:
         await backend.put([("k", os.urandom(1000))])
         await backend.put([("k", os.urandom(450))])
-        await backend.settle()  # replaced chunks are unlinked in the background
-        assert len(await raw.keys("ow:*")) == 1 + 5
+        assert await raw.keys("ow:*") == [head.encode()] and await raw.hlen(head) == 1 + 5
         await backend.put([("k", b"small")])
-        await backend.settle()
-        assert await raw.keys("ow:*") == [main_key("ow:", "k").encode()]
+        assert await raw.keys("ow:*") == [head.encode()] and await raw.type(head) == b"string"
         (got,) = await backend.get(["k"])
         assert got is not None and b"".join(got) == b"small"
         # one batch: inline values replacing chunked ones, and a chunked one replacing an inline one
         await backend.put([("a", os.urandom(300)), ("b", os.urandom(300))])
-        await backend.settle()  # replaced chunks are unlinked in the background
-        assert len(await raw.keys("ow:*")) == 1 + 2 * (1 + 3)
+        assert len(await raw.keys("ow:*")) == 3
         await backend.put([("a", b"1"), ("b", b"2"), ("k", os.urandom(250)), ("a", b"3")])
-        await backend.settle()  # replaced chunks are unlinked in the background
-        assert len(await raw.keys("ow:*")) == 3 + 3
+        assert len(await raw.keys("ow:*")) == 3 and await raw.hlen(head) == 1 + 3
         got_a, got_b = await backend.get(["a", "b"])
         assert got_a is not None and got_b is not None
         assert b"".join(got_a) == b"3" and b"".join(got_b) == b"2"  # one pipeline: in order
@@ -270,7 +256,7 @@ async def test_ttl_applies_to_manifest_and_chunks(redis_server: RedisServer, raw
     try:
         await backend.put([("k", os.urandom(350)), ("small", b"x")])
         keys = await raw.keys("ttl:*")
-        assert len(keys) == 1 + 4 + 1
+        assert len(keys) == 2 and await raw.hlen(main_key("ttl:", "k")) == 1 + 4
         for key in keys:
             assert 0 < await raw.pttl(key) <= 30_000
     finally:
@@ -299,7 +285,7 @@ async def test_database_selection(redis_server: RedisServer) -> None:
         await one.put([("k", b"in db 1"), ("big", os.urandom(3000))])  # inline, and chunked (raw writer)
         assert await two.get(["k", "big"]) == [None, None]
         assert await raw1.get("dbsel:{k}") == b"in db 1"
-        assert len(await raw1.keys("dbsel:{big}*")) == 1 + 3
+        assert await raw1.keys("dbsel:{big}*") == [b"dbsel:{big}"] and await raw1.hlen("dbsel:{big}") == 1 + 3
     finally:
         await one.delete(["k", "big"])
         await raw1.aclose()
@@ -469,53 +455,32 @@ def test_round_trip_on_the_runtime_loop(redis_server: RedisServer, runtime: Runt
 
 
 @pytest.mark.parametrize("fast_read", ["true", "false"])
-async def test_close_waits_for_background_unlinks(
+async def test_writers_taking_turns_leave_one_key(
     redis_server: RedisServer, raw: aioredis.Redis, fast_read: str
 ) -> None:
-    """A put returns once the new value is committed; close() still removes every replaced chunk.
-
-    Two writers take turns, so each replaces a version the other wrote: one it could not predict, which
-    is unlinked in the background rather than inside its transaction.
-    """
-    query = f"chunk_size=100&prefix=reap-{fast_read}:&fast_read={fast_read}"
+    """Two writers replacing each other's chunked values leave one key holding the last value only."""
+    query = f"chunk_size=100&prefix=turns-{fast_read}:&fast_read={fast_read}"
     one, two = await _open(_url(redis_server, query)), await _open(_url(redis_server, query))
-    for _ in range(5):
-        for backend in (one, two):
-            await backend.put([("k", os.urandom(1000))])
-    await one.close()
-    await two.close()
-    assert len(await raw.keys(f"reap-{fast_read}:*")) == 1 + 10
-
-
-async def test_overwrite_unlinks_its_own_last_version_inside_the_write(
-    redis_server: RedisServer, raw: aioredis.Redis
-) -> None:
-    """The version this process wrote last is unlinked in the same transaction: nothing left to reap."""
-    backend = await _open(_url(redis_server, "chunk_size=100&prefix=fold:"))
-    other = await _open(_url(redis_server, "chunk_size=100&prefix=fold:"))
     try:
-        for _ in range(3):
-            await backend.put([("k", os.urandom(1000))])
-            assert not backend._reaping  # no background unlink was needed
-            assert len(await raw.keys("fold:*")) == 1 + 10  # only the current version's chunks
-        await other.put([("k", os.urandom(450))])  # another writer: its version is not predicted...
-        await other.settle()
-        await backend.put([("k", os.urandom(1000))])  # ...so it is reaped after the write
-        await backend.settle()
-        assert len(await raw.keys("fold:*")) == 1 + 10
-        assert await backend.delete(["k"]) == 1 and await raw.keys("fold:*") == []
-        await backend.put([("k", os.urandom(1000))])  # delete forgot the version: nothing stale folded
-        assert len(await raw.keys("fold:*")) == 1 + 10
-        assert backend.connection_counts()[1] == 0
+        for _ in range(5):
+            for backend in (one, two):
+                last = os.urandom(1000)
+                await backend.put([("k", last)])
+        head = main_key(f"turns-{fast_read}:", "k")
+        assert await raw.keys(f"turns-{fast_read}:*") == [head.encode()] and await raw.hlen(head) == 1 + 10
+        (got,) = await one.get(["k"])
+        assert got is not None and b"".join(got) == last
+        assert await one.delete(["k"]) == 1 and await raw.keys(f"turns-{fast_read}:*") == []
+        assert one.connection_counts()[1] == 0
     finally:
-        await backend.close()
-        await other.close()
+        await one.close()
+        await two.close()
 
 
 async def test_chunked_write_over_a_large_foreign_value(
     redis_server: RedisServer, raw: aioredis.Redis
 ) -> None:
-    """``SET ... GET`` hands back a big foreign value: read past (not an error), the connection reused."""
+    """A big foreign value under the key is replaced whole; the raw connection is kept for the next write."""
     backend = await _open(_url(redis_server, "chunk_size=1KiB&prefix=big-old:"))
     try:
         await raw.set(main_key("big-old:", "k"), os.urandom(300_000))

@@ -18,7 +18,7 @@ from redis.crc import key_slot
 from asyncconn.backend import open_backend
 from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigError
 from asyncconn.store import TensorStore
-from backends._redis_layout import Manifest, chunk_keys, main_key
+from backends._redis_layout import Manifest, chunk_fields, main_key
 from backends.redis_cluster import RedisClusterBackend
 from tests.servers_distributed import RedisCluster, free_cluster_port
 
@@ -66,9 +66,8 @@ async def test_one_values_keys_share_a_slot_and_a_node(
         head = main_key(cluster_backend.prefix, key).encode()
         homes = {port for port, names in placed.items() for name in names if name.startswith(head)}
         names = [name for names in placed.values() for name in names if name.startswith(head)]
-        assert len(homes) == 1, key  # the manifest and all its chunks on one node ...
-        assert len(names) == 1 + 5, names
-        assert len({key_slot(name) for name in names}) == 1  # ... on one slot
+        assert len(homes) == 1, key  # one key per value: manifest and chunks are fields of one hash
+        assert names == [head], names
     # And the batch as a whole was split over the nodes: with 12 keys every master holds some.
     assert all(placed[port] for port in redis_cluster.ports)
     got = await cluster_backend.get(list(values))
@@ -199,12 +198,10 @@ async def test_a_stale_slot_map_is_followed_by_writes_and_direct_reads(
     # The raw per-node reader asked with a stale map: the node answers MOVED, the read goes through redis-py.
     reader = cluster_backend._reader
     assert reader is not None
-    (manifest,) = await cluster_backend._mget([head])
-    parsed = Manifest.parse(manifest or b"")
-    assert parsed is not None
-    names = chunk_keys(cluster_backend.prefix, "moved", parsed)
+    (parsed,) = await cluster_backend._heads([head])
+    assert isinstance(parsed, Manifest) and parsed.count == 4
     manager.slots_cache[slot] = [wrong]
-    chunks = await reader.mget(names, len(value))
+    chunks = await reader.hmget(head, chunk_fields(parsed), len(value))
     assert b"".join(bytes(c or b"") for c in chunks) == value
     # And through the backend's own read paths, with the map stale again.
     manager.slots_cache[slot] = [wrong]

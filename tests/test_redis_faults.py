@@ -19,7 +19,7 @@ import torch
 from asyncconn.backend import open_backend
 from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable
 from asyncconn.store import Fetch, TensorStore
-from backends._redis_layout import MANIFEST_MAGIC, Manifest, chunk_keys, main_key
+from backends._redis_layout import MANIFEST_FIELD, MANIFEST_MAGIC, Manifest, chunk_fields, main_key
 from backends._redis_reader import SKIPPED, ChunkReader, ReplyError
 from backends.redis import RedisBackend
 from tests.servers import RedisServer
@@ -70,36 +70,48 @@ async def test_value_written_by_another_tool_is_a_counted_miss(
         await store.close()
 
 
-async def test_non_string_under_our_key(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+async def test_foreign_types_under_our_key(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    """A hash that is not ours, or a list, under our key: a miss; a put replaces it (inline or chunked)."""
     store = await _store(f"redis://127.0.0.1:{redis_server.port}/0?prefix=wrongtype:&chunk_size=64")
+    head = main_key("wrongtype:", "k")
     try:
-        await raw.hset(main_key("wrongtype:", "k"), "field", "value")
-        assert await store.get(["k"]) == [None]
-        with pytest.raises(BackendError, match="WRONGTYPE"):
-            await store.put([("k", torch.arange(100))])
-        assert await raw.keys("wrongtype:*") == [main_key("wrongtype:", "k").encode()]  # no orphan chunks
+        for value in (torch.arange(100), torch.arange(2)):  # chunked, then inline
+            await raw.delete(head)
+            await raw.hset(head, "field", "value")
+            assert await store.get(["k"]) == [None] and await store.exists(["k"]) == [True]
+            await raw.delete(head)
+            await raw.rpush(head, "item")
+            assert await store.get(["k"]) == [None]
+            assert await store.read_into("k", torch.empty_like(value)) is Fetch.MISS
+            await store.put([("k", value)])
+            (got,) = await store.get(["k"])
+            assert got is not None and torch.equal(got, value)
+            assert await raw.keys("wrongtype:*") == [head.encode()]
+        assert store.stats.corrupt == 0
         assert await store.delete(["k"]) == 1
         assert await raw.keys("wrongtype:*") == []
     finally:
         await store.close()
 
 
-async def _chunked(server: RedisServer, prefix: str) -> tuple[TensorStore, list[str]]:
+async def _chunked(server: RedisServer, prefix: str) -> tuple[TensorStore, str, list[str]]:
+    """A store holding one chunked value under "k"; its Redis key and its chunk fields."""
     store = await _store(f"redis://127.0.0.1:{server.port}/0?prefix={prefix}&chunk_size=256")
     await store.put([("k", torch.arange(300, dtype=torch.float32))])
-    head = await _backend(store)._client.get(main_key(prefix, "k"))
+    name = main_key(prefix, "k")
+    head = await _backend(store)._client.hget(name, MANIFEST_FIELD)
     assert isinstance(head, bytes)
     manifest = Manifest.parse(head)
     assert manifest is not None and manifest.count > 2
-    return store, chunk_keys(prefix, "k", manifest)
+    return store, name, chunk_fields(manifest)
 
 
 async def test_manifest_pointing_at_missing_chunks_is_a_miss(
     redis_server: RedisServer, raw: aioredis.Redis
 ) -> None:
-    store, names = await _chunked(redis_server, "missing:")
+    store, name, fields = await _chunked(redis_server, "missing:")
     try:
-        await raw.delete(names[1])
+        await raw.hdel(name, fields[1])
         assert await store.get(["k"]) == [None]
         assert store.stats.misses == 1 and store.stats.corrupt == 0
         assert await store.read_into("k", torch.empty(300)) is Fetch.MISS
@@ -111,9 +123,9 @@ async def test_manifest_pointing_at_missing_chunks_is_a_miss(
 
 
 async def test_truncated_chunk_is_a_miss(redis_server: RedisServer, raw: aioredis.Redis) -> None:
-    store, names = await _chunked(redis_server, "trunc:")
+    store, name, fields = await _chunked(redis_server, "trunc:")
     try:
-        await raw.set(names[-1], b"\x00")
+        await raw.hset(name, fields[-1], b"\x00")
         assert await _backend(store).get(["k"]) == [None]  # the manifest's length no longer adds up
         assert await store.get(["k"]) == [None]
         assert await store.read_into("k", torch.empty(300)) is Fetch.MISS
@@ -125,13 +137,13 @@ async def test_truncated_chunk_is_a_miss(redis_server: RedisServer, raw: aioredi
 async def test_flipped_byte_in_a_chunk_is_a_counted_miss(
     redis_server: RedisServer, raw: aioredis.Redis
 ) -> None:
-    store, names = await _chunked(redis_server, "flip:")
+    store, name, fields = await _chunked(redis_server, "flip:")
     try:
-        stored = await raw.get(names[2])
+        stored = await raw.hget(name, fields[2])
         assert isinstance(stored, bytes)
         chunk = bytearray(stored)
         chunk[7] ^= 0x40
-        await raw.set(names[2], bytes(chunk))
+        await raw.hset(name, fields[2], bytes(chunk))
         assert await store.get(["k"]) == [None]
         assert store.stats.corrupt == 1
         out = torch.empty(300)
@@ -311,12 +323,14 @@ async def test_racing_writers_never_show_a_torn_value(
         await asyncio.gather(*readers)
         assert seen and seen_direct, "readers never saw a value"
         assert reader.stats.corrupt == 0
-        head = await raw.get(main_key(prefix, "k"))
+        head = await raw.hget(main_key(prefix, "k"), MANIFEST_FIELD)
         assert isinstance(head, bytes)
         manifest = Manifest.parse(head)
         assert manifest is not None
-        assert sorted(await raw.keys(f"{prefix}*")) == sorted(
-            k.encode() for k in [main_key(prefix, "k"), *chunk_keys(prefix, "k", manifest)]
+        # one key, holding the last version's chunks and nothing else
+        assert await raw.keys(f"{prefix}*") == [main_key(prefix, "k").encode()]
+        assert sorted(await raw.hkeys(main_key(prefix, "k"))) == sorted(
+            f.encode() for f in [MANIFEST_FIELD, *chunk_fields(manifest)]
         )
         assert await reader.delete(["k"]) == 1
         assert await raw.keys(f"{prefix}*") == []
@@ -331,21 +345,20 @@ async def test_chunk_loss_is_retried_from_the_new_manifest(redis_server: RedisSe
     store = await _store(f"redis://127.0.0.1:{redis_server.port}/0?prefix={prefix}&chunk_size=128")
     backend = _backend(store)
     old, new = torch.zeros(200), torch.ones(200)
-    real_mget = backend._mget
+    real_heads = backend._heads
     calls = 0
 
-    async def mget_then_replace(names: list[str]) -> list[bytes | None]:
+    async def heads_then_replace(names: list[str]) -> list[bytes | Manifest | None]:
         nonlocal calls
         calls += 1
-        result = await real_mget(names)
+        result = await real_heads(names)
         if calls == 1:  # after the reader has read the old manifest, a producer replaces the value
             await store.put([("k", new)])
-            await backend.settle()  # ... and its background unlink of the old chunks has run
         return result
 
     try:
         await store.put([("k", old)])
-        backend._mget = mget_then_replace  # type: ignore[method-assign]
+        backend._heads = heads_then_replace  # type: ignore[method-assign]
         (got,) = await store.get(["k"])
         assert got is not None and torch.equal(got, new)
         # the direct read follows the new manifest the same way
@@ -364,21 +377,20 @@ async def test_chunks_lost_twice_is_a_miss(redis_server: RedisServer) -> None:
     prefix = "lost-twice:"
     store = await _store(f"redis://127.0.0.1:{redis_server.port}/0?prefix={prefix}&chunk_size=128")
     backend = _backend(store)
-    real_mget = backend._mget
+    real_heads = backend._heads
 
-    async def mget_then_replace(names: list[str]) -> list[bytes | None]:
-        result = await real_mget(names)
+    async def heads_then_replace(names: list[str]) -> list[bytes | Manifest | None]:
+        result = await real_heads(names)
         await store.put([("k", torch.rand(200))])  # every manifest read is stale at once
-        await backend.settle()  # and the replaced chunks are gone
         return result
 
     try:
         await store.put([("k", torch.zeros(200))])
-        backend._mget = mget_then_replace  # type: ignore[method-assign]
+        backend._heads = heads_then_replace  # type: ignore[method-assign]
         assert await store.read_into("k", torch.empty(200)) is Fetch.MISS
         assert store.stats.corrupt == 0 and backend.connection_counts()[1] == 0
     finally:
-        backend._mget = real_mget  # type: ignore[method-assign]
+        backend._heads = real_heads  # type: ignore[method-assign]
         await store.delete(["k"])
         await store.close()
 
@@ -590,7 +602,7 @@ async def test_write_answered_with_a_nil_exec_is_a_backend_error() -> None:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"EXEC\r\n")
-        writer.write(b"+OK\r\n" + b"+QUEUED\r\n" * 4 + b"*-1\r\n")  # as if a WATCH had aborted it
+        writer.write(b"+OK\r\n" + b"+QUEUED\r\n" * 2 + b"*-1\r\n")  # as if a WATCH had aborted it
         await writer.drain()
         await reader.read()  # until the client goes away
         writer.close()
@@ -601,7 +613,7 @@ async def test_write_answered_with_a_nil_exec_is_a_backend_error() -> None:
     assert isinstance(backend, RedisBackend)
     try:
         with pytest.raises(BackendError, match="unexpected reply"):
-            await backend.put([("k", os.urandom(3000))])  # three chunks and the manifest: four queued
+            await backend.put([("k", os.urandom(3000))])  # UNLINK and one HSET: two queued
         assert backend.connection_counts()[1] == 0
     finally:
         await backend.close()
@@ -639,3 +651,33 @@ def test_pause_returns_once_every_server_thread_is_stopped(fresh_redis: RedisSer
             states.append(stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3])
         assert states and all(s in (b"T", b"t") for s in states), states
         fresh_redis.resume()
+
+
+# -- an LRU cache under maxmemory ---------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk_size", ["1MiB", "256KiB"])
+async def test_chunked_values_are_evicted_whole_under_allkeys_lru(chunk_size: str) -> None:
+    """2 MiB values, each re-read four writes later, in 24 MB of ``allkeys-lru``: the cache keeps working.
+
+    With one Redis key per chunk the server evicted chunks one by one, so most values lost a piece while
+    their other chunks still held memory: 28% hits at 1 MiB chunks, 4% at 256 KiB (stored whole: 91%).
+    Every value left behind is whole: a string, or a hash holding its manifest and all its chunks.
+    """
+    from asyncconn.bench_redis import eviction_hit_rate
+
+    server = RedisServer(extra_args=("--maxmemory", "24mb", "--maxmemory-policy", "allkeys-lru")).start()
+    raw = aioredis.Redis(host="127.0.0.1", port=server.port)
+    try:
+        url = f"{server.url}?chunk_size={chunk_size}"
+        result = await eviction_hit_rate(url, 2 << 20, values=100)
+        assert result["evicted_keys"] > 0 and result["corrupt"] == 0
+        assert result["hit_rate"] >= 0.75, result
+        names = await raw.keys("*")
+        assert names
+        for name in names:
+            if await raw.type(name) == b"hash":
+                head = await raw.hget(name, MANIFEST_FIELD)
+                manifest = Manifest.parse(head or b"")
+                assert manifest is not None and await raw.hlen(name) == 1 + manifest.count
+    finally:
+        await raw.aclose()
+        server.stop()

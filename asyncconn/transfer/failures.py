@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
+from collections.abc import Callable
 
 from asyncconn.exceptions import (
     BackendError,
@@ -19,9 +21,44 @@ from asyncconn.exceptions import (
     RuntimeStateError,
 )
 
-__all__ = ["Failure", "classify"]
+__all__ = ["Failure", "RateLimitedLog", "classify"]
 
 log = logging.getLogger(__name__)
+
+
+class RateLimitedLog:
+    """Warnings of one kind at most once per ``interval`` seconds; the next line says how many were held back.
+
+    Why: a store that is down fails every batch of every step, and one warning per batch was a flood (tens
+    of lines a second) that buried everything else in the engine's log. The first failure of a kind is
+    logged at once; ``suppressed`` counts the lines held back in all. Owned by one thread, like the engine
+    state it reports on.
+    """
+
+    def __init__(
+        self, logger: logging.Logger, interval: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._logger = logger
+        self.interval = interval
+        self._clock = clock
+        self._next: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self.suppressed = 0
+
+    def warning(self, kind: str, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless a line of ``kind`` was logged within ``interval``; True when logged."""
+        now = self._clock()
+        if now < self._next.get(kind, -1.0):
+            self._held[kind] = self._held.get(kind, 0) + 1
+            self.suppressed += 1
+            return False
+        held = self._held.pop(kind, 0)
+        if held:
+            msg += " (and %d more like it in the last %gs, not logged)"
+            args = (*args, held, self.interval)
+        self._logger.warning(msg, *args)
+        self._next[kind] = now + self.interval
+        return True
 
 
 class Failure(enum.StrEnum):

@@ -67,7 +67,7 @@ from asyncconn.runtime import LoopFuture, Runtime, get_runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer._device import SAVE_PRIORITY, CpuDevice, Event, TransferDevice, default_device
 from asyncconn.transfer.copythread import CopyThread
-from asyncconn.transfer.failures import Failure, classify
+from asyncconn.transfer.failures import Failure, RateLimitedLog, classify
 from asyncconn.transfer.lazy import LazyTensor, Pieces
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 
@@ -293,6 +293,7 @@ class SaveTracker:
         self._done: collections.deque[_Batch | _Job] = collections.deque()  # appended by other threads
         self._recent: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self._inflight_keys: set[Hashable] = set()
+        self._failure_log = RateLimitedLog(log)  # a store that is down fails every batch: not a line each
         self._closed = False
         self._cancelling = False  # read by the copy thread: past close()'s grace period, start no puts
         # Leak counters.
@@ -653,7 +654,7 @@ class SaveTracker:
         for batch in job.batches:
             if batch.error is not None:
                 reason, detail = batch.error
-                log.warning("%d saves failed, %s: %s", len(batch.saves), reason, detail)
+                self._failure_log.warning(reason, "%d saves failed, %s: %s", len(batch.saves), reason, detail)
                 for save in batch.saves:
                     self._complete(save, reason, detail, quiet=True)
             else:
@@ -679,15 +680,17 @@ class SaveTracker:
         self.futures_pending -= 1
         self._batches.discard(batch)
         if future.cancelled():
-            log.warning("%d saves cancelled (tracker or runtime closed)", len(batch.saves))
+            self._failure_log.warning(
+                "cancelled", "%d saves cancelled (tracker or runtime closed)", len(batch.saves)
+            )
             for save in batch.saves:
                 self._complete(save, Failure.STORE_ERROR, "put cancelled", quiet=True)
             return
         exc = future.exception()
         if exc is not None:
             reason, detail = classify(exc)
-            # One line per failed batch, not per save: a store that is down must not flood the log.
-            log.warning("%d saves failed, %s: %s", len(batch.saves), reason, detail)
+            # At most one line per kind of failure and interval: a store that is down must not flood the log.
+            self._failure_log.warning(reason, "%d saves failed, %s: %s", len(batch.saves), reason, detail)
             for save in batch.saves:
                 self._complete(save, reason, detail, quiet=True)
             return
@@ -717,7 +720,9 @@ class SaveTracker:
         if failure is not None:
             self.failures[failure] += 1
         if failure is not None and not quiet:
-            log.warning("save of %r (request %r) failed, %s: %s", save.key, save.request_id, failure, detail)
+            self._failure_log.warning(
+                failure, "save of %r (request %r) failed, %s: %s", save.key, save.request_id, failure, detail
+            )
         request = self._requests.get(save.request_id)
         if request is None:
             return  # forgotten by a close() that timed out

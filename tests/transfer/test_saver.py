@@ -5,6 +5,7 @@ Every test runs twice: with the tracker's copy thread (the CPU default) and with
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ from asyncconn.exceptions import TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, Failure, PinnedPool, SaveTracker
+from asyncconn.transfer.failures import RateLimitedLog
 from asyncconn.transfer.lazy import Pieces, Shared
 from backends.memory import MemoryBackend
 from tests.transfer.fakes import GatedBackend
@@ -157,6 +159,42 @@ def test_store_failure_mid_save_is_counted_and_the_request_still_finishes(
     drain_saves(tracker, {"r-retry"})
     assert tracker.saved == 1
     assert_idle(tracker)
+
+
+def test_a_store_that_is_down_logs_one_line_not_one_per_batch(
+    runtime: Runtime, gated: GatedBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Thirty failed batches within the log interval: one warning, the rest counted (all still failed)."""
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime)
+    gated.fail_puts = True
+    runtime.call_soon(gated.gate.set)
+    with caplog.at_level(logging.WARNING, logger="asyncconn.transfer.saver"):
+        for i in range(30):
+            tracker.submit(f"r{i}", f"k{i}", torch.randn(4))
+            assert drain_saves(tracker, {f"r{i}"}) == {f"r{i}"}
+    lines = [r for r in caplog.records if r.name == "asyncconn.transfer.saver"]
+    assert len(lines) == 1 and "saves failed" in lines[0].getMessage()
+    assert tracker.failures[Failure.STORE_ERROR] == 30 and tracker.requests_failed == 30
+    assert tracker._failure_log.suppressed == 29
+    assert_idle(tracker)
+
+
+def test_rate_limited_log_reports_what_it_held_back(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    limited = RateLimitedLog(logging.getLogger("test.ratelog"), interval=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.ratelog"):
+        assert limited.warning("a", "first %s", "x")
+        assert not limited.warning("a", "again %s", "x")
+        assert limited.warning("b", "another kind")  # kinds are limited separately
+        now[0] = 10.5
+        assert limited.warning("a", "later %s", "y")
+    assert [r.getMessage() for r in caplog.records] == [
+        "first x",
+        "another kind",
+        "later y (and 1 more like it in the last 10s, not logged)",
+    ]
+    assert limited.suppressed == 1
 
 
 def test_saves_are_batched_into_one_exists_and_one_put(runtime: Runtime, gated: GatedBackend) -> None:
