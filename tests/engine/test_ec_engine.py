@@ -182,7 +182,7 @@ def test_a_corrupt_stored_embedding_is_encoded_locally(
 ) -> None:
     store_dir = Path(produced["url"][len("file://") :])
     damaged = 0
-    for path in sorted(p for p in store_dir.rglob("*") if p.is_file()):
+    for path in sorted(p for p in store_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF  # one flipped byte in the payload: the checksum must catch it
         path.write_bytes(bytes(data))

@@ -168,7 +168,7 @@ def test_corrupt_stored_values_are_recomputed(
     root = tmp_path / "store"
     save_prompts(text_model, f"file://{root}")
     damaged = 0
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
         data = bytearray(path.read_bytes())
         data[-5] ^= 0x01  # one bit of the payload
         path.write_bytes(bytes(data))
