@@ -19,8 +19,16 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from asyncconn.exceptions import BackendNotInstalled, ConfigError, UnknownSchemeError
-from asyncconn.url import Param, StoreURL, parse_url, redact
+from asyncconn.exceptions import (
+    AsyncConnError,
+    BackendError,
+    BackendNotInstalled,
+    BackendTimeout,
+    BackendUnavailable,
+    ConfigError,
+    UnknownSchemeError,
+)
+from asyncconn.url import PASSWORD_PARAMS, Param, StoreURL, parse_url, redact, scrub
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -93,6 +101,9 @@ class StorageBackend(abc.ABC):
 
     #: URL parameters this backend accepts (documented in docs/configuration.md).
     params: ClassVar[dict[str, Param]] = {}
+    #: Whether the store uses ``url.password``; a URL that names one (``password_env``, ``password_file``)
+    #: for a store that does not is refused, rather than the password silently dropped.
+    takes_password: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -244,12 +255,38 @@ def resolve_backend(scheme: str) -> type[StorageBackend]:
 
 
 async def open_backend(url: str | StoreURL) -> StorageBackend:
-    """Open the backend a URL names. Must be awaited on the runtime loop (clients bind to their loop)."""
+    """Open the backend a URL names. Must be awaited on the runtime loop (clients bind to their loop).
+
+    This is where a URL's secrets could leak into an error, so every failure leaves here as one of our
+    exceptions whose text has the URL's secrets scrubbed, with no cause or context attached (a client
+    library's exception may quote its connection arguments).
+    """
     parsed = url if isinstance(url, StoreURL) else parse_url(url)
     cls = resolve_backend(parsed.scheme)
+    if parsed.password_from in PASSWORD_PARAMS and not cls.takes_password:
+        raise ConfigError(
+            f"{parsed.scheme}:// URL: parameter {parsed.password_from!r}: this store takes no password"
+        )
+    secrets = parsed.secrets()
     try:
         return await cls.from_url(parsed)
-    except ConfigError:
-        raise
+    except AsyncConnError as exc:
+        error = _scrubbed(exc, secrets)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"bad store URL {redact(parsed.raw)!r}: {exc}") from None
+        error = ConfigError(f"bad store URL {redact(parsed.raw)!r}: {scrub(str(exc), secrets)}")
+    except TimeoutError:
+        error = BackendTimeout(f"{redact(parsed.raw)}: opening timed out")
+    except Exception as exc:
+        reason = scrub(str(exc) or type(exc).__name__, secrets)
+        error = BackendUnavailable(f"{redact(parsed.raw)}: cannot open: {type(exc).__name__}: {reason}")
+    raise error  # outside the handlers: no context to print
+
+
+def _scrubbed(exc: AsyncConnError, secrets: tuple[str, ...]) -> AsyncConnError:
+    """``exc`` again, as the same type, with ``secrets`` scrubbed from its text and nothing chained."""
+    text = scrub(str(exc), secrets)
+    try:
+        fresh = type(exc)(text)
+    except Exception:  # a plug-in's exception with another signature
+        fresh = BackendError(text) if isinstance(exc, BackendError) else ConfigError(text)
+    return fresh
