@@ -28,7 +28,7 @@ from asyncconn.exceptions import (
     ConfigError,
     UnknownSchemeError,
 )
-from asyncconn.url import PASSWORD_PARAMS, Param, StoreURL, parse_url, redact, scrub
+from asyncconn.url import Param, StoreURL, parse_url, redact, scrub
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -40,6 +40,7 @@ __all__ = [
     "StorageBackend",
     "Value",
     "available_schemes",
+    "check_url",
     "open_backend",
     "register_backend",
     "resolve_backend",
@@ -101,8 +102,8 @@ class StorageBackend(abc.ABC):
 
     #: URL parameters this backend accepts (documented in docs/configuration.md).
     params: ClassVar[dict[str, Param]] = {}
-    #: Whether the store uses ``url.password``; a URL that names one (``password_env``, ``password_file``)
-    #: for a store that does not is refused, rather than the password silently dropped.
+    #: Whether the store uses ``url.password``; a URL with a password (in it, or through ``password_env``
+    #: or ``password_file``) for a store that does not is refused, rather than the password ignored.
     takes_password: ClassVar[bool] = False
 
     @classmethod
@@ -254,6 +255,20 @@ def resolve_backend(scheme: str) -> type[StorageBackend]:
     )
 
 
+def check_url(url: StoreURL) -> type[StorageBackend]:
+    """The backend class for ``url``, once its parameters and password have been checked against it.
+
+    Raises ConfigError (the URL redacted) for an unknown scheme, a missing extra, a bad parameter, or a
+    password given to a store that takes none -- which would otherwise be silently ignored.
+    """
+    cls = resolve_backend(url.scheme)
+    if url.password is not None and not cls.takes_password:
+        source = "the URL" if url.password_from == "userinfo" else repr(url.password_from)
+        raise ConfigError(f"{url.scheme}:// URL: a password in {source}, but this store takes no password")
+    url.options(cls.params)
+    return cls
+
+
 async def open_backend(url: str | StoreURL) -> StorageBackend:
     """Open the backend a URL names. Must be awaited on the runtime loop (clients bind to their loop).
 
@@ -262,11 +277,7 @@ async def open_backend(url: str | StoreURL) -> StorageBackend:
     library's exception may quote its connection arguments).
     """
     parsed = url if isinstance(url, StoreURL) else parse_url(url)
-    cls = resolve_backend(parsed.scheme)
-    if parsed.password_from in PASSWORD_PARAMS and not cls.takes_password:
-        raise ConfigError(
-            f"{parsed.scheme}:// URL: parameter {parsed.password_from!r}: this store takes no password"
-        )
+    cls = check_url(parsed)
     secrets = parsed.secrets()
     try:
         return await cls.from_url(parsed)

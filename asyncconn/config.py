@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncconn.backend import check_url
 from asyncconn.exceptions import ConfigError
 from asyncconn.url import (
     parse_bool,
@@ -38,9 +39,15 @@ def _text(value: Any) -> str:
 
 
 def _url(value: Any) -> str:
-    text = _text(value)
-    parse_url(text)  # raises ConfigError with the URL redacted (and reads password_env / password_file)
-    return text
+    """A store URL whose scheme has a backend and whose parameters that backend accepts.
+
+    Raises ConfigError with the URL redacted. Checking the parameters here, not when the store is opened,
+    makes a bad ``ttl=`` fail at engine start-up in the scheduler too (it opens no store when a lookup
+    server answers its lookups).
+    """
+    parsed = parse_url(_text(value))  # reads password_env / password_file, too
+    check_url(parsed)
+    return parsed.raw
 
 
 def _optional_endpoint(value: Any) -> str | None:

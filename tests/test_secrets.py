@@ -190,7 +190,7 @@ def test_no_url_shape_leaks_through_check(
     url, tokens = case
     records.texts.clear()
     capsys.readouterr()
-    assert cli_main(["check", url, "--timeout", "1"]) == 2
+    assert cli_main(["check", url, "--timeout", "1"]) == 2  # ports 1 and 2 are closed
     out = capsys.readouterr()
     assert "FAILED" in out.out
     assert _leaks([out.out, out.err, *records.texts], tokens) == []
@@ -242,7 +242,8 @@ def test_an_unencoded_at_inside_the_userinfo_is_taken_up_to_the_last() -> None:
 
 
 def test_reprs_of_settings_and_parsed_urls_hide_the_password() -> None:
-    url = f"redis://alice:{quote(PASSWORD, safe='')}@127.0.0.1:6379/0?password=x"
+    url = f"redis://alice:{quote(PASSWORD, safe='')}@127.0.0.1:6379/0"
+    in_query = f"mooncake://h:1/?metadata=x&token={quote(PASSWORD, safe='')}"
     texts = [
         repr(Settings.from_extra_config({"backend_url": url})),
         str(Settings(backend_url=url)),
@@ -250,6 +251,7 @@ def test_reprs_of_settings_and_parsed_urls_hide_the_password() -> None:
         repr(parse_url(url)),
         str(parse_url(url)),
     ]
+    assert PASSWORD not in repr(parse_url(in_query)) and "token=***" in str(parse_url(in_query))
     assert all("alice" in t and "***" in t for t in texts)
     assert [t for t in texts if PASSWORD in t or quote(PASSWORD, safe="") in t] == []
 
@@ -361,6 +363,11 @@ def test_password_sources_refused_where_they_cannot_apply(
         parse_url("redis://:other@127.0.0.1:1/0?password_env=H14_STORE_PASSWORD")
     with pytest.raises(ConfigError, match="takes no password"):
         rt.run(TensorStore.open(f"file://{tmp_path}?password_env=H14_STORE_PASSWORD"))
+    for url in ("memory://:pw@name", f"file://:pw@{tmp_path}", "mooncake://:pw@h:1?metadata=http://m:1/"):
+        with pytest.raises(ConfigError, match="takes no password"):
+            Settings.from_extra_config({"backend_url": url})
+    with pytest.raises(ConfigError, match="takes no password"):
+        rt.run(TensorStore.open("memory://:pw@name"))
     for content, match in ((b"", "empty"), (b"a\nb\n", "more than one line"), (b"\xff\xfe", "UTF-8")):
         bad = tmp_path / "pw"
         bad.write_bytes(content)
