@@ -193,8 +193,8 @@ PREFIX = {
     "bench lookup": ["bench", "lookup"],
     "bench transfer": ["bench", "transfer"],
 }
-#: Flags of ``lookup-server`` whose values are checked when the server starts (exit 2 naming the
-#: problem) rather than by argparse: that module's flags are being reworked with the server's bounds.
+#: ``lookup-server``'s tuning flags are typed in asyncconn/cli/lookup_server.py with the server's bounds,
+#: not here; these two still parse with bare ``int``.
 UNTYPED_OK = {("lookup-server", "--block-size"), ("lookup-server", "--max-keys")}
 
 
