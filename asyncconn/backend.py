@@ -19,8 +19,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from asyncconn.exceptions import BackendNotInstalled, ConfigError, InvalidInput, UnknownSchemeError
-from asyncconn.url import Param, StoreURL, parse_url, redact
+from asyncconn.exceptions import (
+    AsyncConnError,
+    BackendError,
+    BackendNotInstalled,
+    BackendTimeout,
+    BackendUnavailable,
+    ConfigError,
+    InvalidInput,
+    UnknownSchemeError,
+)
+from asyncconn.url import Param, StoreURL, parse_url, redact, scrub
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -32,6 +41,7 @@ __all__ = [
     "StorageBackend",
     "Value",
     "available_schemes",
+    "check_url",
     "checked_dests",
     "checked_items",
     "checked_keys",
@@ -162,6 +172,9 @@ class StorageBackend(abc.ABC):
 
     #: URL parameters this backend accepts (documented in docs/configuration.md).
     params: ClassVar[dict[str, Param]] = {}
+    #: Whether the store uses ``url.password``; a URL with a password (in it, or through ``password_env``
+    #: or ``password_file``) for a store that does not is refused, rather than the password ignored.
+    takes_password: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -313,13 +326,49 @@ def resolve_backend(scheme: str) -> type[StorageBackend]:
     )
 
 
+def check_url(url: StoreURL) -> type[StorageBackend]:
+    """The backend class for ``url``, once its parameters and password have been checked against it.
+
+    Raises ConfigError (the URL redacted) for an unknown scheme, a missing extra, a bad parameter, or a
+    password given to a store that takes none -- which would otherwise be silently ignored.
+    """
+    cls = resolve_backend(url.scheme)
+    if url.password is not None and not cls.takes_password:
+        source = "the URL" if url.password_from == "userinfo" else repr(url.password_from)
+        raise ConfigError(f"{url.scheme}:// URL: a password in {source}, but this store takes no password")
+    url.options(cls.params)
+    return cls
+
+
 async def open_backend(url: str | StoreURL) -> StorageBackend:
-    """Open the backend a URL names. Must be awaited on the runtime loop (clients bind to their loop)."""
+    """Open the backend a URL names. Must be awaited on the runtime loop (clients bind to their loop).
+
+    This is where a URL's secrets could leak into an error, so every failure leaves here as one of our
+    exceptions whose text has the URL's secrets scrubbed, with no cause or context attached (a client
+    library's exception may quote its connection arguments).
+    """
     parsed = url if isinstance(url, StoreURL) else parse_url(url)
-    cls = resolve_backend(parsed.scheme)
+    cls = check_url(parsed)
+    secrets = parsed.secrets()
     try:
         return await cls.from_url(parsed)
-    except ConfigError:
-        raise
+    except AsyncConnError as exc:
+        error = _scrubbed(exc, secrets)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"bad store URL {redact(parsed.raw)!r}: {exc}") from None
+        error = ConfigError(f"bad store URL {redact(parsed.raw)!r}: {scrub(str(exc), secrets)}")
+    except TimeoutError:
+        error = BackendTimeout(f"{redact(parsed.raw)}: opening timed out")
+    except Exception as exc:
+        reason = scrub(str(exc) or type(exc).__name__, secrets)
+        error = BackendUnavailable(f"{redact(parsed.raw)}: cannot open: {type(exc).__name__}: {reason}")
+    raise error  # outside the handlers: no context to print
+
+
+def _scrubbed(exc: AsyncConnError, secrets: tuple[str, ...]) -> AsyncConnError:
+    """``exc`` again, as the same type, with ``secrets`` scrubbed from its text and nothing chained."""
+    text = scrub(str(exc), secrets)
+    try:
+        fresh = type(exc)(text)
+    except Exception:  # a plug-in's exception with another signature
+        fresh = BackendError(text) if isinstance(exc, BackendError) else ConfigError(text)
+    return fresh

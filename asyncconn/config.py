@@ -13,8 +13,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncconn.backend import check_url
 from asyncconn.exceptions import ConfigError
-from asyncconn.url import parse_bool, parse_duration, parse_size, parse_url
+from asyncconn.url import (
+    parse_bool,
+    parse_count,
+    parse_duration,
+    parse_size,
+    parse_url,
+    redact,
+    scrub,
+    url_secrets,
+)
 
 __all__ = ["DEFAULT_BACKEND_URL", "Settings"]
 
@@ -24,32 +34,43 @@ __all__ = ["DEFAULT_BACKEND_URL", "Settings"]
 DEFAULT_BACKEND_URL = "file:///tmp/asyncconn-store?max_bytes=4GiB"
 
 
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected text, got {_kind(value)}")
+    return value
+
+
 def _url(value: Any) -> str:
-    text = str(value)
-    parse_url(text)  # raises ConfigError with the URL redacted
-    return text
+    """A store URL whose scheme has a backend and whose parameters that backend accepts.
+
+    Raises ConfigError with the URL redacted. Checking the parameters here, not when the store is opened,
+    makes a bad ``ttl=`` fail at engine start-up in the scheduler too (it opens no store when a lookup
+    server answers its lookups).
+    """
+    parsed = parse_url(_text(value))  # reads password_env / password_file, too
+    check_url(parsed)
+    return parsed.raw
 
 
 def _optional_endpoint(value: Any) -> str | None:
     if value in (None, ""):
         return None
-    text = str(value)
-    if "://" not in text:
+    text = _text(value)
+    transport, sep, address = text.partition("://")
+    if not sep or transport not in ("tcp", "ipc", "inproc") or not address:
         raise ValueError("expected a ZMQ endpoint such as tcp://127.0.0.1:5555 or ipc:///run/asyncconn.sock")
     return text
 
 
 def _optional_text(value: Any) -> str | None:
-    return None if value in (None, "") else str(value)
+    return None if value in (None, "") else _text(value)
 
 
-def _positive_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError("expected an integer")
-    number = int(value)
-    if number <= 0:
+def _positive_size(value: Any) -> int:
+    size = parse_size(value)
+    if size <= 0:
         raise ValueError("must be > 0")
-    return number
+    return size
 
 
 def _positive_duration(value: Any) -> float:
@@ -59,11 +80,21 @@ def _positive_duration(value: Any) -> float:
     return seconds
 
 
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _shown(value: Any) -> str:
+    """A value as an error may echo it: short, and redacted in case it is (or holds) a URL."""
+    text = repr(value)
+    return redact(text if len(text) <= 80 else text[:77] + "...")
+
+
 def _opt(parse: Callable[[Any], Any], default: Any, doc: str) -> Any:
     return field(default=default, metadata={"parse": parse, "doc": doc})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Settings:
     """Connector settings. Build with :meth:`from_extra_config`; every field has a working default."""
 
@@ -71,51 +102,77 @@ class Settings:
     lookup_server: str | None = _opt(
         _optional_endpoint, None, "ZMQ endpoint of a lookup server; unset: query the store"
     )
-    key_prefix: str = _opt(str, "", "prepended to every key this connector reads or writes")
+    key_prefix: str = _opt(_text, "", "prepended to every key this connector reads or writes")
     lookup_timeout: float = _opt(_positive_duration, 3.0, "a lookup unanswered after this is a miss")
-    lookup_max_pending: int = _opt(_positive_int, 100_000, "lookups outstanding at once; more are misses")
+    lookup_max_pending: int = _opt(parse_count, 100_000, "lookups outstanding at once; more are misses")
     sync_lookup: bool = _opt(parse_bool, False, "block in the scheduler until a lookup answers (not advised)")
     store_timeout: float = _opt(_positive_duration, 5.0, "bound on every store call (get, put, exists)")
     connect_timeout: float = _opt(
         _positive_duration, 10.0, "bound on connecting to the store (and lookup store) at engine start-up"
     )
     load_timeout: float = _opt(_positive_duration, 10.0, "a load not on the device after this fails")
-    pinned_pool_bytes: int = _opt(parse_size, 1 << 30, "pinned staging memory per worker, e.g. 1GiB")
-    max_inflight_loads: int = _opt(_positive_int, 64, "loads fetched at once per worker")
+    pinned_pool_bytes: int = _opt(_positive_size, 1 << 30, "pinned staging memory per worker, e.g. 1GiB")
+    max_inflight_loads: int = _opt(parse_count, 64, "loads fetched at once per worker")
     save_skip_existing: bool = _opt(parse_bool, True, "skip saving keys the store already has")
     arrival_timeout: float = _opt(
         _positive_duration, 5.0, "EC: how long PD waits for an item E announced but had not yet saved"
     )
-    kv_blocks_per_value: int = _opt(_positive_int, 1, "KV: consecutive blocks stored under one key")
+    kv_blocks_per_value: int = _opt(parse_count, 1, "KV: consecutive blocks stored under one key")
     lookup_server_key: str | None = _opt(
         _optional_text, None, "CURVE public key of the lookup server (Z85 text or a key/cert file)"
     )
     ec_max_row_bytes: int = _opt(
-        parse_size, 64 << 10, "EC: bound on one embedding row's bytes until the first load gives the size"
+        _positive_size, 64 << 10, "EC: bound on one embedding row's bytes until the first load gives the size"
     )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
         """Parse ``extra_config``; unknown keys and bad values raise ConfigError naming the key."""
-        extra = dict(extra or {})
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - set(known))
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"extra_config: expected a mapping of keys to values, got {_kind(extra)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        odd = [k for k in extra if not isinstance(k, str)]
+        if odd:
+            raise ConfigError(f"extra_config: keys are text, got {_shown(odd[0])}")
+        unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
-                f"extra_config: unknown key {unknown[0]!r} (accepted: {', '.join(sorted(known))})"
+                f"extra_config: unknown key {unknown[0][:80]!r} (accepted: {', '.join(sorted(known))})"
             )
-        values: dict[str, Any] = {}
-        for name, value in extra.items():
-            parse = known[name].metadata["parse"]
-            try:
-                values[name] = parse(value)
-            except ConfigError as exc:
-                raise ConfigError(f"extra_config: bad value for {name!r}: {exc}") from None
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"extra_config: bad value {value!r} for {name!r}: {exc}") from None
-        return cls(**values)
+        return cls(**{name: cls.parse_value(name, value) for name, value in extra.items()})
+
+    @classmethod
+    def parse_value(cls, name: str, value: Any) -> Any:
+        """Check and convert one ``extra_config`` value; a ConfigError names the key and what is wrong.
+
+        ``null`` is accepted only for the keys whose default is ``null`` (it means "unset" there); for the
+        others the key is left out to get its default.
+        """
+        spec = next(f for f in dataclasses.fields(cls) if f.name == name)
+        if value is None and spec.default is not None:
+            raise ConfigError(f"extra_config: {name!r} must not be null (leave the key out for the default)")
+        try:
+            return spec.metadata["parse"](value)
+        except ConfigError as exc:
+            reason = str(exc)
+        except (TypeError, ValueError, OverflowError) as exc:
+            reason = f"bad value {_shown(value)}: {exc}"
+        # Built outside the handler, with the value's secrets scrubbed: nothing chained can quote them.
+        secrets = url_secrets(value) if isinstance(value, str) else ()
+        raise ConfigError(f"extra_config: {name!r}: {scrub(reason, secrets)}")
+
+    def __repr__(self) -> str:
+        """The fields, with ``backend_url``'s password redacted (the dataclass repr would print it)."""
+        shown = (f"{f.name}={_field_repr(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        return f"Settings({', '.join(shown)})"
 
     @classmethod
     def documentation(cls) -> list[tuple[str, Any, str]]:
         """(key, default, meaning) for every key, in declaration order (used by the docs test)."""
         return [(f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(cls)]
+
+
+def _field_repr(value: Any) -> str:
+    return repr(redact(value)) if isinstance(value, str) else repr(value)

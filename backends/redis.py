@@ -106,6 +106,8 @@ class RedisBackend(StorageBackend):
 
     #: Chunk reads land in the caller's memory (through the fast reader; redis-py reads fall back to a copy).
     reads_into: ClassVar[bool] = True
+    #: AUTH with ``url.password`` (from the URL, ``password_env`` or ``password_file``).
+    takes_password: ClassVar[bool] = True
 
     def __init__(
         self,

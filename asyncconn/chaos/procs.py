@@ -118,7 +118,7 @@ class RedisServer(ServerProcess):
     """One redis-server process on loopback; ``url`` is ready to hand to ``open_backend``."""
 
     port: int = field(default_factory=free_port)
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="asyncconn-redis-"))
@@ -165,7 +165,7 @@ class RedisServer(ServerProcess):
 class LookupServerProcess(ServerProcess):
     """``asyncconn lookup-server`` in its own process, serving ``backend_url`` on a loopback TCP port."""
 
-    backend_url: str
+    backend_url: str = field(repr=False)  # it may hold the store's password
     key_prefix: str = ""
     block_size: int = 16
     port: int = field(default_factory=free_port)

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from asyncconn.cli._measure import Progress, human_size, parse_sizes, summarize
+from asyncconn.cli import _args
+from asyncconn.cli._measure import Progress, human_size, summarize
 from asyncconn.exceptions import AsyncConnError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
@@ -43,10 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", default=None, help="store URL (default: file:// in a new temporary directory)"
     )
-    parser.add_argument("--sizes", default="1MiB,4MiB,16MiB", help="comma-separated value sizes")
-    parser.add_argument("--clients", type=int, default=4, help="concurrent operations in flight")
-    parser.add_argument("--iterations", type=int, default=0, help="values per size (0: ~256 MiB per size)")
-    parser.add_argument("--timeout", type=float, default=30.0, help="per-operation timeout in seconds")
+    parser.add_argument(
+        "--sizes", type=_args.size_list, default="1MiB,4MiB,16MiB", help="comma-separated value sizes"
+    )
+    parser.add_argument("--clients", type=_args.count, default=4, help="concurrent operations in flight")
+    parser.add_argument(
+        "--iterations",
+        type=_args.non_negative_count,
+        default=0,
+        help="values per size (0: ~256 MiB per size)",
+    )
+    parser.add_argument(
+        "--timeout", type=_args.positive_duration, default=30.0, help="per-operation timeout in seconds"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--no-baseline", action="store_true", help="skip the side-by-side baselines")
 
@@ -261,11 +271,7 @@ def _print_human(result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        sizes = parse_sizes(args.sizes)
-    except ValueError as exc:
-        print(f"asyncconn bench backend: bad --sizes: {exc}")
-        return 2
+    sizes = args.sizes
     tmpdir = None
     url = args.url
     if url is None:

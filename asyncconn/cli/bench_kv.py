@@ -26,21 +26,33 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from asyncconn.cli import _args
 from asyncconn.cli._measure import summarize
-from asyncconn.url import parse_duration
+from asyncconn.url import redact
 
 __all__ = ["add_arguments", "bench", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--what", default="schedule,save,bpv", help="comma-separated: schedule, save, bpv")
-    parser.add_argument("--waiting", type=int, default=256, help="waiting requests (schedule)")
-    parser.add_argument("--latency", default="2ms", help="store latency per call (schedule)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per comparison")
-    parser.add_argument("--save-latency", default="100ms", help="store latency per call (save)")
-    parser.add_argument("--save-requests", type=int, default=64, help="requests in the save workload")
+    parser.add_argument(
+        "--what",
+        type=_args.choice_list(("schedule", "save", "bpv")),
+        default="schedule,save,bpv",
+        help="comma-separated: schedule, save, bpv",
+    )
+    parser.add_argument("--waiting", type=_args.count, default=256, help="waiting requests (schedule)")
+    parser.add_argument(
+        "--latency", type=_args.duration_text, default="2ms", help="store latency per call (schedule)"
+    )
+    parser.add_argument("--rounds", type=_args.count, default=3, help="alternating rounds per comparison")
+    parser.add_argument(
+        "--save-latency", type=_args.duration_text, default="100ms", help="store latency per call (save)"
+    )
+    parser.add_argument("--save-requests", type=_args.count, default=64, help="requests in the save workload")
     parser.add_argument("--backend", default="memory://?latency=200us", help="store for the bpv comparison")
-    parser.add_argument("--bpv", default="1,2,4,8,16", help="blocks per value to compare")
+    parser.add_argument(
+        "--bpv", type=_args.count_list, default="1,2,4,8,16", help="blocks per value to compare"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -189,7 +201,7 @@ def bench_bpv(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     shape = SimShape(num_layers=4, num_kv_heads=4, head_size=32, hidden_size=64, num_blocks=2048)
     rng = random.Random(7)
     lengths = [rng.randint(64, 700) for _ in range(32)]
-    choices = [int(b) for b in args.bpv.split(",")]
+    choices = list(args.bpv)
     runs: dict[int, list[dict[str, float]]] = {b: [] for b in choices}
     for _ in range(args.rounds):
         for bpv in choices:
@@ -239,7 +251,7 @@ def bench_bpv(model: Path, args: argparse.Namespace) -> dict[str, Any]:
             )
             second.close()
     return {
-        "backend": args.backend,
+        "backend": redact(args.backend),
         "prompts": len(lengths),
         "prompt_tokens": sum(lengths),
         "by_bpv": {
@@ -253,8 +265,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     from asyncconn.vllm.sim import make_model_dir
 
     model = make_model_dir(Path(tempfile.mkdtemp(prefix="asyncconn-bench-kv-")) / "model")
-    parse_duration(args.latency)
-    parse_duration(args.save_latency)
     wanted = {w.strip() for w in args.what.split(",") if w.strip()}
     out: dict[str, Any] = {}
     if "schedule" in wanted:

@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from asyncconn.cli import _args
 from asyncconn.cli._measure import summarize
 from asyncconn.lookup import PREFIX, DirectTransport, LookupClient, ZmqTransport, store_key
 from asyncconn.lookup.protocol import encode_mooncake_lookup
@@ -49,17 +50,39 @@ _BLOCK_HASHES = 16  # keys per lookup: a 256-token prompt in 16-token blocks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--latency", default="2ms", help="store latency per call for caller/scheduler")
-    parser.add_argument("--service-latency", default="1ms", help="lookup server's store latency per call")
-    parser.add_argument("--waiting", type=int, default=256, help="waiting requests per scheduler step")
-    parser.add_argument("--rounds", type=int, default=40, help="submit/poll rounds for the caller figures")
-    parser.add_argument("--steps", type=int, default=60, help="async scheduler steps")
-    parser.add_argument("--blocking-steps", type=int, default=2, help="blocking scheduler steps")
-    parser.add_argument("--step-gap", default="5ms", help="simulated forward pass between steps")
-    parser.add_argument("--window", type=int, default=256, help="pipelined lookups in flight")
-    parser.add_argument("--duration", type=float, default=1.0, help="seconds per throughput round and side")
-    parser.add_argument("--throughput-rounds", type=int, default=3, help="alternating throughput rounds")
-    parser.add_argument("--outstanding", type=int, default=10_000, help="lookups in flight for memory")
+    parser.add_argument(
+        "--latency",
+        type=_args.duration_text,
+        default="2ms",
+        help="store latency per call for caller/scheduler",
+    )
+    parser.add_argument(
+        "--service-latency",
+        type=_args.duration_text,
+        default="1ms",
+        help="lookup server's store latency per call",
+    )
+    parser.add_argument(
+        "--waiting", type=_args.count, default=256, help="waiting requests per scheduler step"
+    )
+    parser.add_argument(
+        "--rounds", type=_args.count, default=40, help="submit/poll rounds for the caller figures"
+    )
+    parser.add_argument("--steps", type=_args.count, default=60, help="async scheduler steps")
+    parser.add_argument("--blocking-steps", type=_args.count, default=2, help="blocking scheduler steps")
+    parser.add_argument(
+        "--step-gap", type=_args.duration_text, default="5ms", help="simulated forward pass between steps"
+    )
+    parser.add_argument("--window", type=_args.count, default=256, help="pipelined lookups in flight")
+    parser.add_argument(
+        "--duration", type=_args.positive_duration, default=1.0, help="seconds per throughput round and side"
+    )
+    parser.add_argument(
+        "--throughput-rounds", type=_args.count, default=3, help="alternating throughput rounds"
+    )
+    parser.add_argument(
+        "--outstanding", type=_args.count, default=10_000, help="lookups in flight for memory"
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="run the client loop on plain asyncio")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 

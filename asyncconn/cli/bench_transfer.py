@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from asyncconn.cli import _args
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import (
@@ -50,38 +51,32 @@ from asyncconn.transfer import (
     StreamLoader,
 )
 from asyncconn.transfer._device import CopyPairs, Event
-from asyncconn.url import parse_duration, parse_size
 
 __all__ = ["add_arguments", "bench", "run"]
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(f"must be > 0, got {value}")
-    return value
-
-
-def _sizes(text: str) -> list[int]:
-    return [parse_size(item.strip()) for item in text.split(",") if item.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--loads", type=_positive, default=2000, help="values per loader run")
-    parser.add_argument("--load-size", type=parse_size, default=64 * 1024, help="bytes per loaded value")
-    parser.add_argument("--saves", type=_positive, default=2000, help="submits per save-tracker run")
-    parser.add_argument("--save-size", type=parse_size, default=64 * 1024, help="bytes per saved tensor")
-    parser.add_argument("--save-batch", type=_positive, default=32, help="submits per simulated step")
-    parser.add_argument("--put-latency", type=parse_duration, default=0.1, help="store latency per put")
-    parser.add_argument("--pool", type=parse_size, default=1 << 30, help="staging pool capacity")
-    parser.add_argument("--repeat", type=_positive, default=5, help="runs per figure (medians are reported)")
-    parser.add_argument("--gpu-sizes", type=_sizes, default=_sizes("16MiB,64MiB,256MiB"), help="H2D sizes")
+    parser.add_argument("--loads", type=_args.count, default=2000, help="values per loader run")
     parser.add_argument(
-        "--matmuls", type=_positive, default=20, help="4096^2 matmuls queued in the overlap test"
+        "--load-size", type=_args.positive_size, default=64 * 1024, help="bytes per loaded value"
+    )
+    parser.add_argument("--saves", type=_args.count, default=2000, help="submits per save-tracker run")
+    parser.add_argument(
+        "--save-size", type=_args.positive_size, default=64 * 1024, help="bytes per saved tensor"
+    )
+    parser.add_argument("--save-batch", type=_args.count, default=32, help="submits per simulated step")
+    parser.add_argument("--put-latency", type=_args.duration, default=0.1, help="store latency per put")
+    parser.add_argument("--pool", type=_args.positive_size, default=1 << 30, help="staging pool capacity")
+    parser.add_argument(
+        "--repeat", type=_args.count, default=5, help="runs per figure (medians are reported)"
+    )
+    parser.add_argument("--gpu-sizes", type=_args.size_list, default="16MiB,64MiB,256MiB", help="H2D sizes")
+    parser.add_argument(
+        "--matmuls", type=_args.count, default=20, help="4096^2 matmuls queued in the overlap test"
     )
     parser.add_argument(
         "--switch-interval",
-        type=parse_duration,
+        type=_args.positive_duration,
         default=None,
         help="sys.setswitchinterval for the run (default: Python's 5ms): how long a thread waits for the GIL",
     )

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from asyncconn.chaos.faults import DATA_FAULTS, SERVER_FAULTS
+from asyncconn.cli import _args
 
 __all__ = ["add_arguments", "run"]
 
@@ -22,18 +23,28 @@ _KINDS = SERVER_FAULTS + DATA_FAULTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of traffic (default 60)")
-    parser.add_argument("--requests", type=int, default=5000, help="stop after this many requests")
-    parser.add_argument("--seed", type=int, default=0, help="workload and fault schedule seed")
     parser.add_argument(
-        "--fault-interval", type=float, default=2.0, help="mean seconds between faults (default 2)"
+        "--duration", type=_args.positive_duration, default=60.0, help="seconds of traffic (default 60)"
+    )
+    parser.add_argument("--requests", type=_args.count, default=5000, help="stop after this many requests")
+    parser.add_argument(
+        "--seed", type=_args.non_negative_count, default=0, help="workload and fault schedule seed"
+    )
+    parser.add_argument(
+        "--fault-interval",
+        type=_args.positive_duration,
+        default=2.0,
+        help="mean seconds between faults (default 2)",
     )
     parser.add_argument(
         "--faults",
+        type=_args.choice_list(_KINDS, allow_empty=True),
         default=",".join(_KINDS),
         help=f"comma-separated fault kinds (default: all of {','.join(_KINDS)}; empty: none)",
     )
-    parser.add_argument("--concurrency", type=int, default=12, help="requests alive at once (default 12)")
+    parser.add_argument(
+        "--concurrency", type=_args.count, default=12, help="requests alive at once (default 12)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

@@ -15,18 +15,23 @@ import uuid
 
 import torch
 
+from asyncconn.cli import _args
 from asyncconn.exceptions import AsyncConnError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.url import redact
+from asyncconn.url import redact, scrub, url_secrets
 
 __all__ = ["add_arguments", "check", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help="store URL, e.g. redis://127.0.0.1:6379/0 or file:///tmp/store")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds allowed for the whole check")
-    parser.add_argument("--size", type=int, default=1 << 16, help="bytes of the test tensor")
+    parser.add_argument(
+        "--timeout", type=_args.positive_duration, default=5.0, help="seconds allowed for the whole check"
+    )
+    parser.add_argument(
+        "--size", type=_args.positive_size, default=1 << 16, help="bytes of the test tensor (e.g. 64KiB)"
+    )
 
 
 async def check(url: str, timeout: float, size: int) -> dict[str, float]:
@@ -77,9 +82,11 @@ def run(args: argparse.Namespace) -> int:
     runtime = Runtime(name="asyncconn-check").start()
     try:
         timings = runtime.run(_bounded(args.url, args.timeout, args.size), timeout=args.timeout + 2.0)
-    except (AsyncConnError, TimeoutError) as exc:
-        reason = str(exc) or f"no answer within {args.timeout:g}s"
-        print(f"asyncconn check {safe}: FAILED: {redact(reason)}")
+    except Exception as exc:
+        # Any failure is one line and exit 2, never a traceback: a traceback could quote the URL.
+        kind = "" if isinstance(exc, (AsyncConnError, TimeoutError)) else f"{type(exc).__name__}: "
+        reason = kind + (str(exc) or f"no answer within {args.timeout:g}s")
+        print(f"asyncconn check {safe}: FAILED: {scrub(reason, url_secrets(args.url))}")
         return 2
     finally:
         runtime.close(timeout=1.0)

@@ -22,7 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncconn.cli import _args
 from asyncconn.exceptions import AsyncConnError
+from asyncconn.url import redact
 
 __all__ = ["DEFAULT_PARTS", "PARTS", "add_arguments", "print_summary", "run"]
 
@@ -46,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--parts",
+        type=_args.choice_list(tuple(PARTS)),
         default=",".join(DEFAULT_PARTS),
         help=f"comma-separated parts to run, of {', '.join(PARTS)} (default: {','.join(DEFAULT_PARTS)})",
     )
@@ -55,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure ensure_cache_available / has_cache_item and PD step times instead of the demo",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="--bench: interleaved rounds (default 3)")
+    parser.add_argument(
+        "--rounds", type=_args.count, default=3, help="--bench: interleaved rounds (default 3)"
+    )
 
 
 def _resolve(spec: str) -> Callable[..., dict[str, Any]]:
@@ -107,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summaries, indent=2))
     else:
-        print(f"store: {args.backend or 'file:// (temporary directory)'}")
+        print(f"store: {redact(args.backend) if args.backend else 'file:// (temporary directory)'}")
         for summary in summaries:
             print_summary(summary)
     failed = [name for s in summaries for name, ok in s.get("checks", {}).items() if not ok]

@@ -27,7 +27,7 @@ from asyncconn.lookup.server import (
     LookupServer,
 )
 from asyncconn.store import TensorStore
-from asyncconn.url import parse_duration, parse_size, redact
+from asyncconn.url import parse_duration, parse_size, redact, with_password_from
 
 __all__ = ["add_arguments", "run", "serve"]
 
@@ -78,14 +78,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow a non-loopback --bind without CURVE (no authentication)",
     )
+    parser.add_argument(
+        "--password-env",
+        metavar="NAME",
+        help="read the store password from this environment variable (as ?password_env=NAME in --backend), "
+        "so it is not on the command line for ps to show",
+    )
+    parser.add_argument(
+        "--password-file",
+        metavar="PATH",
+        help="read the store password from this file's one line (as ?password_file=PATH in --backend)",
+    )
 
 
 async def serve(args: argparse.Namespace) -> int:
     """Open the store, bind, serve until a signal; the store and socket are closed on every path."""
     curve = _curve(args)  # before the store is opened: a bad key must not leave it open
+    backend = with_password_from(args.backend, env=args.password_env, file=args.password_file)
     try:
         wait = parse_duration(args.wait_for_store)
-        store = await _open_store(args.backend, parse_duration(args.timeout), wait)
+        store = await _open_store(backend, parse_duration(args.timeout), wait)
     except (AsyncConnError, ValueError) as exc:
         print(f"asyncconn lookup-server: cannot open {redact(args.backend)}: {exc}", file=sys.stderr)
         return 2

@@ -18,14 +18,14 @@ from asyncconn.lookup.client import DEFAULT_TIMEOUT, LookupClient, Mode
 from asyncconn.lookup.curve import CurveClientKeys, load_key
 from asyncconn.lookup.transports import DirectTransport, LookupTransport, ZmqTransport
 from asyncconn.runtime import Runtime
-from asyncconn.url import parse_duration
+from asyncconn.url import redact
 
 __all__ = ["LookupConfig", "open_lookup_client"]
 
 R = TypeVar("R")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class LookupConfig:
     """Every lookup option (documented in docs/lookup.md)."""
 
@@ -66,31 +66,31 @@ class LookupConfig:
 
     @classmethod
     def from_mapping(cls, extra: Mapping[str, Any]) -> LookupConfig:
-        """Read ``backend_url``, ``lookup_server``, ``lookup_timeout`` ("3s", "500ms" or seconds),
-        ``key_prefix`` and ``lookup_max_pending`` from a connector's extra_config; other keys are ignored."""
-        kwargs: dict[str, Any] = {}
-        for name, key in (
-            ("backend_url", "backend_url"),
-            ("lookup_server", "lookup_server"),
-            ("key_prefix", "key_prefix"),
-        ):
-            if extra.get(key) is not None:
-                kwargs[name] = str(extra[key])
-        try:
-            if "lookup_timeout" in extra:
-                kwargs["timeout"] = parse_duration(extra["lookup_timeout"])
-            if "lookup_max_pending" in extra:
-                kwargs["max_pending"] = int(extra["lookup_max_pending"])
-            if "connect_timeout" in extra:
-                kwargs["connect_timeout"] = parse_duration(extra["connect_timeout"])
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"lookup: bad lookup_timeout, lookup_max_pending or connect_timeout: {exc}"
-            ) from None
+        """Read ``backend_url``, ``lookup_server``, ``key_prefix``, ``lookup_timeout`` ("3s", "500ms" or
+        seconds), ``lookup_max_pending`` and ``connect_timeout`` from a connector's extra_config, each
+        checked as :class:`~asyncconn.config.Settings` checks it; other keys are ignored."""
+        names = {
+            "backend_url": "backend_url",
+            "lookup_server": "lookup_server",
+            "key_prefix": "key_prefix",
+            "lookup_timeout": "timeout",
+            "lookup_max_pending": "max_pending",
+            "connect_timeout": "connect_timeout",
+        }
+        kwargs = {
+            field_name: Settings.parse_value(key, extra[key])
+            for key, field_name in names.items()
+            if key in extra and not (extra[key] is None and key in ("backend_url", "lookup_server"))
+        }
         return cls(**kwargs)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __repr__(self) -> str:
+        """The fields, with ``backend_url``'s password redacted (the dataclass repr would print it)."""
+        shown = (f"{f.name}={_field_repr(getattr(self, f.name))}" for f in fields(self))
+        return f"LookupConfig({', '.join(shown)})"
 
     def transport(self) -> LookupTransport:
         if self.lookup_server:
@@ -114,3 +114,7 @@ def open_lookup_client(
     return LookupClient(
         config.transport(), mode, runtime=runtime, timeout=config.timeout, max_pending=config.max_pending
     )
+
+
+def _field_repr(value: Any) -> str:
+    return repr(redact(value)) if isinstance(value, str) else repr(value)
