@@ -192,10 +192,10 @@ PREFIX = {
     "bench kv": ["bench", "kv"],
     "bench lookup": ["bench", "lookup"],
     "bench transfer": ["bench", "transfer"],
+    "bench engine": ["bench", "engine"],
+    "bench gpu": ["bench", "gpu"],
 }
-#: ``lookup-server``'s tuning flags are typed in asyncconn/cli/lookup_server.py with the server's bounds,
-#: not here; these two still parse with bare ``int``.
-UNTYPED_OK = {("lookup-server", "--block-size"), ("lookup-server", "--max-keys")}
+UNTYPED_OK: set[tuple[str, str]] = set()
 
 
 def _subparsers(parser: argparse.ArgumentParser, path: str = "") -> dict[str, argparse.ArgumentParser]:

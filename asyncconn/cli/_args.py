@@ -89,6 +89,8 @@ duration_text = _checked(_text_of(parse_duration), "duration")
 positive_duration_text = _checked(_text_of(_positive_duration), "positive_duration")
 #: Bytes (``4096``, ``16MiB``) > 0.
 positive_size = _checked(_positive_size, "positive_size")
+#: Bytes > 0 kept as the text given.
+positive_size_text = _checked(_text_of(_positive_size), "positive_size")
 #: A whole number >= 1.
 count = _checked(parse_count, "count")
 #: A whole number >= 0.

@@ -10,23 +10,18 @@ import json
 import logging
 from typing import Any
 
+from asyncconn.cli import _args
+
 __all__ = ["add_arguments", "run"]
 
 _WHAT = ("ttft", "decode", "ec")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--what", default="ttft,decode,ec", help=f"comma-separated, of {', '.join(_WHAT)}")
-    parser.add_argument("--tokens", type=_positive, default=4096, help="ttft: prompt length (default 4096)")
-    parser.add_argument("--prompts", type=_positive, default=3, help="ttft: prompts timed per config")
-    parser.add_argument("--rounds", type=_positive, default=3, help="decode, ec: alternating rounds")
+    parser.add_argument("--tokens", type=_args.count, default=4096, help="ttft: prompt length (default 4096)")
+    parser.add_argument("--prompts", type=_args.count, default=3, help="ttft: prompts timed per config")
+    parser.add_argument("--rounds", type=_args.count, default=3, help="decode, ec: alternating rounds")
     parser.add_argument(
         "--decode-model", default="text", choices=("text", "text-100m"), help="decode: model (default text)"
     )

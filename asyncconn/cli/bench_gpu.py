@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from asyncconn.cli import _args
 from asyncconn.config import Settings
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
@@ -53,20 +54,13 @@ Mark = float | torch.cuda.Event
 Span = tuple[Mark, Mark]
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(f"must be > 0, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-values", type=_positive, default=8, help="KV values per run")
-    parser.add_argument("--kv-layers", type=_positive, default=8, help="layers per KV value")
-    parser.add_argument("--kv-blocks-per-value", type=_positive, default=16, help="blocks per KV value")
-    parser.add_argument("--ec-rows", type=_positive, default=1792, help="rows of the EC embedding")
-    parser.add_argument("--ec-width", type=_positive, default=2048, help="bf16 columns of the EC embedding")
-    parser.add_argument("--repeat", type=_positive, default=20, help="runs per figure (medians reported)")
+    parser.add_argument("--kv-values", type=_args.count, default=8, help="KV values per run")
+    parser.add_argument("--kv-layers", type=_args.count, default=8, help="layers per KV value")
+    parser.add_argument("--kv-blocks-per-value", type=_args.count, default=16, help="blocks per KV value")
+    parser.add_argument("--ec-rows", type=_args.count, default=1792, help="rows of the EC embedding")
+    parser.add_argument("--ec-width", type=_args.count, default=2048, help="bf16 columns of the EC embedding")
+    parser.add_argument("--repeat", type=_args.count, default=20, help="runs per figure (medians reported)")
     parser.add_argument(
         "--allow-cpu",
         action="store_true",

@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from asyncconn.cli import _args
 from asyncconn.exceptions import AsyncConnError, BackendError, ConfigError
 from asyncconn.lookup.curve import CurveServerKeys, load_key
 from asyncconn.lookup.protocol import DEFAULT_MAX_KEYS
@@ -37,31 +38,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bind", default=DEFAULT_BIND, help=f"ZMQ endpoint (default {DEFAULT_BIND}; ipc://PATH is made 0600)"
     )
-    parser.add_argument("--block-size", type=int, default=16, help="the engine's KV block size in tokens")
+    parser.add_argument(
+        "--block-size", type=_args.count, default=16, help="the engine's KV block size in tokens"
+    )
     parser.add_argument("--key-prefix", default="", help="store key = prefix + hex(hash)")
-    parser.add_argument("--max-keys", type=int, default=DEFAULT_MAX_KEYS, help="keys accepted per request")
-    parser.add_argument("--max-message", default="4MiB", help="frames larger than this drop the peer")
+    parser.add_argument(
+        "--max-keys", type=_args.count, default=DEFAULT_MAX_KEYS, help="keys accepted per request"
+    )
+    parser.add_argument(
+        "--max-message",
+        type=_args.positive_size_text,
+        default="4MiB",
+        help="frames larger than this drop the peer",
+    )
     parser.add_argument(
         "--max-bytes",
+        type=_args.positive_size_text,
         default="64MiB",
         help="request bytes held at once (queued + being answered); past it the heaviest client's newest "
         "queued request is answered with an error",
     )
     parser.add_argument(
         "--max-inflight-keys",
-        type=int,
+        type=_args.count,
         default=DEFAULT_MAX_INFLIGHT_KEYS,
         help="keys looked up in the store at once (>= --max-keys); requests wait their turn, round-robin",
     )
     parser.add_argument(
         "--max-clients",
-        type=int,
+        type=_args.count,
         default=DEFAULT_MAX_CLIENTS,
         help="clients with requests held at once; a new client past it gets error replies",
     )
-    parser.add_argument("--timeout", default="5s", help="store call timeout")
+    parser.add_argument(
+        "--timeout", type=_args.positive_duration_text, default="5s", help="store call timeout"
+    )
     parser.add_argument(
         "--wait-for-store",
+        type=_args.duration_text,
         default="0s",
         help="keep trying an unreachable store this long at start-up (backoff 0.1s doubling to 2s); "
         "default 0: exit 2 at once",
