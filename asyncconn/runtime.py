@@ -3,7 +3,7 @@
 vLLM's scheduler and worker are synchronous threads that must never wait on I/O. They hand coroutines to
 :class:`Runtime` with :meth:`Runtime.submit` and get a :class:`concurrent.futures.Future` back, whose
 ``done()`` they poll on later steps. The loop thread owns every socket and store client; nothing else touches
-them, so no locks are needed around I/O (DESIGN.md, "the one rule").
+them, so no locks are needed around I/O (docs/architecture.md, "Threads and ownership").
 
 Calling ``result()`` on such a future from the loop thread itself would deadlock; here it raises
 :class:`LoopThreadBlocked` instead.

@@ -12,7 +12,7 @@ waiting. What makes it cheap on the caller's thread -- the published trap is one
 - Every lookup has a deadline. One timer, armed for the oldest lookup in flight, resolves expired ones
   as misses (lookups are issued in deadline order, so the sweep stops at the first live one).
 
-Ownership (DESIGN.md's one rule): ``_entries`` (request id -> entry) belongs to the caller's thread,
+Ownership (one owner per structure): ``_entries`` (request id -> entry) belongs to the caller's thread,
 ``_inflight`` (wire id -> entry) and the transport belong to the loop. An entry's ``result`` is written
 once by the loop, its ``discarded`` flag once by the caller. A client is used from one caller thread
 (vLLM's scheduler thread); ``lookup_sync`` is the exception that may block, and only up to the timeout.

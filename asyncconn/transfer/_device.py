@@ -4,7 +4,7 @@ The loader and the save tracker are written against :class:`TransferDevice`, so 
 CI without a GPU: :class:`CpuDevice` copies synchronously and hands out events that are always complete,
 :class:`CudaDevice` issues every copy on its own side stream with ``non_blocking=True`` from pinned memory and
 records a real ``torch.cuda.Event``. Nothing here ever synchronizes: callers find out that a copy is done by
-``event.query()``, polled from the worker thread that owns the device object (DESIGN.md, the one rule).
+``event.query()``, polled from the worker thread that owns the device object (one owner per structure).
 
 Cross-stream memory reuse (the caching allocator). A device tensor the loader creates is *allocated on the
 side stream* (inside ``torch.cuda.stream(side)``), so the allocator only ever hands its memory out again to

@@ -1,6 +1,6 @@
 """StreamLoader: store -> pinned staging (on the loop) -> device (on a side stream), polled from the worker.
 
-A load moves through three states, each owned by one thread (DESIGN.md, the one rule):
+A load moves through three states, each owned by one thread (docs/architecture.md, one owner per structure):
 
 1. *queued* (worker): waiting for a staging buffer. When the pool answers "not now" the key stays queued, in
    order, and is retried on the next :meth:`StreamLoader.poll` -- back-pressure instead of an allocation.

@@ -2,7 +2,7 @@
 real V1 ``Scheduler``.
 
 Kept apart from the runner so that the one place that knows how to coax vLLM's config validation into
-accepting a model with no weights and no GPU is small and readable (the recipe is VLLM.md's steps 1-5).
+accepting a model with no weights and no GPU is small and readable (vLLM's own test recipe).
 Every vLLM import is local to a function: importing this module costs nothing, importing vLLM ~8 s.
 """
 
@@ -208,7 +208,7 @@ def build_scheduler(
     """The real ``Scheduler``, then the two fixes a text-only config needs to exercise multimodal paths.
 
     A text-only model gets a zero-sized encoder cache and a zero encoder budget, which would defer every
-    multimodal request forever; so both are replaced (VLLM.md step 5). ``encoder_only`` flips the flag an
+    multimodal request forever; so both are replaced. ``encoder_only`` flips the flag an
     ``mm_encoder_only`` model config would set: the E instance of E->PD stops a request as soon as its
     prompt is consumed instead of sampling.
     """

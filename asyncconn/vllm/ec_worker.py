@@ -19,7 +19,7 @@ Embedding shapes: vLLM's scheduler knows an item's row count, not its width or d
 the frame's own dtype and shape (staging bounded by ``ec_max_row_bytes`` per row); later loads of the same
 width are read straight into exactly-sized staging and checked against it.
 
-Only vLLM's worker thread calls this class (DESIGN.md's one rule).
+Only vLLM's worker thread calls this class (docs/architecture.md, one owner per structure).
 """
 
 from __future__ import annotations

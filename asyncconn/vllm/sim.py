@@ -423,7 +423,7 @@ class EngineSim:
         }
 
     def leak_check(self) -> list[str]:
-        """VLLM.md step 7: what the engine still holds that it should not once every request is done."""
+        """What the engine still holds that it should not once every request is done."""
         sched = self.scheduler
         problems: list[str] = []
         if sched.requests:
