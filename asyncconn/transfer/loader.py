@@ -31,6 +31,7 @@ import collections
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -136,6 +137,7 @@ class StreamLoader:
         self._fetched: collections.deque[_Load] = collections.deque()  # appended on the loop thread
         self._copying: collections.deque[_Load] = collections.deque()
         self._results: list[LoadResult] = []  # failures found outside poll(), reported by the next poll()
+        self._landed = threading.Event()  # set on the loop when a fetch is handed back; cleared by poll()
         self._closed = False
         # Leak counters: each must come back to 0 once every load is reported or cancelled and polled.
         self.buffers_out = 0
@@ -187,6 +189,7 @@ class StreamLoader:
 
     def poll(self) -> list[LoadResult]:
         """Results of loads that completed since the last call (ready tensors and failures). Never blocks."""
+        self._landed.clear()  # before draining: a fetch handed back from here on sets it again
         results, self._results = self._results, []
         while self._copying and self._copying[0].event is not None and self._copying[0].event.query():
             self._finish_copy(self._copying.popleft(), results)
@@ -194,6 +197,18 @@ class StreamLoader:
             self._on_fetched(self._fetched.popleft(), results)
         self._start_queued()
         return results
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until a fetch lands; True if one did (collect it with ``poll``).
+
+        For an engine with nothing else to do (a step that scheduled no tokens while loads are in flight):
+        vLLM's engine loop steps again at once, and those empty steps hold the GIL that the loop thread needs
+        to finish the very reads the engine is waiting for. A blocking wait hands the GIL over and returns
+        the moment a value is in. It returns at once when nothing is being fetched.
+        """
+        if not self.futures_pending or self._copying:
+            return False
+        return self._landed.wait(timeout)
 
     def cancel(self, key: str) -> bool:
         """Abandon a load (an aborted request): nothing is reported for it. False if it was not in flight."""
@@ -405,6 +420,7 @@ class StreamLoader:
     def _hand_back(self, load: _Load, fetched: _Fetched) -> None:
         load.fetched = fetched
         self._fetched.append(load)  # deque.append is thread-safe; the worker pops in poll()
+        self._landed.set()
 
     async def _fetch(self, load: _Load, buf: PinnedBuffer) -> _Fetched:
         """Read and validate ``load.key`` into ``buf``. Runs on the loop; touches no device state."""

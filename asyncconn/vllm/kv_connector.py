@@ -223,8 +223,9 @@ class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         meta = self._connector_metadata
-        via_recv = meta.finished_via_recv if isinstance(meta, AsyncConnKVMetadata) else frozenset()
-        return self.worker_side.get_finished(finished_req_ids, via_recv)
+        if not isinstance(meta, AsyncConnKVMetadata):
+            return self.worker_side.get_finished(finished_req_ids)
+        return self.worker_side.get_finished(finished_req_ids, meta.finished_via_recv, meta.step_tokens)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()

@@ -83,6 +83,8 @@ class AsyncConnKVMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: frozenset[str] = frozenset()
     finished_via_recv: frozenset[str] = frozenset()
+    #: Tokens vLLM scheduled this step; 0 on a step that only waits (for our loads, say).
+    step_tokens: int = -1
 
 
 #: Counters (summed). ``tokens_*`` count tokens, ``bytes_*`` bytes on this worker.

@@ -144,7 +144,10 @@ class KVSchedulerSide:
             if self.lookup is not None:
                 self.lookup.discard(rid)
         meta = AsyncConnKVMetadata(
-            loads=self._loads, preempted=preempted, finished_via_recv=frozenset(self._via_recv)
+            loads=self._loads,
+            preempted=preempted,
+            finished_via_recv=frozenset(self._via_recv),
+            step_tokens=int(getattr(so, "total_num_scheduled_tokens", -1)),
         )
         self._loads = []
         self._via_recv.clear()

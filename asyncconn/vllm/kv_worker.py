@@ -47,6 +47,10 @@ __all__ = ["KVWorkerSide", "LayerLayout"]
 
 log = logging.getLogger(__name__)
 
+#: Longest wait for a landing load on a step that scheduled no tokens (see ``get_finished``): short enough
+#: that a request arriving meanwhile is scheduled a millisecond later at worst.
+IDLE_WAIT_S = 0.001
+
 
 @dataclass(frozen=True)
 class LayerLayout:
@@ -390,7 +394,10 @@ class KVWorkerSide:
 
     # -- completion ------------------------------------------------------------------------------------
     def get_finished(
-        self, finished_req_ids: set[str], finished_via_recv: frozenset[str] = frozenset()
+        self,
+        finished_req_ids: set[str],
+        finished_via_recv: frozenset[str] = frozenset(),
+        step_tokens: int = -1,
     ) -> tuple[set[str] | None, set[str] | None]:
         """``(finished_sending, finished_recving)`` for this step.
 
@@ -398,6 +405,10 @@ class KVWorkerSide:
         vLLM frees on ``finished_recving``: their loads stop here and the id is reported there once by this
         worker (now, or never again if it was reported already). Other finished requests that had saves are
         reported in ``finished_sending`` once those saves are done.
+
+        On a step that scheduled no tokens (``step_tokens == 0``) while loads are in flight, this waits up to
+        ``IDLE_WAIT_S`` for one to land (``StreamLoader.wait``): the engine has nothing else to do, and its
+        back-to-back empty steps would otherwise hold the GIL the loop thread needs to finish the loads.
         """
         aborted: set[str] = set()
         for rid in finished_req_ids:
@@ -416,6 +427,8 @@ class KVWorkerSide:
             if rid in self._had_saves:
                 self._had_saves.discard(rid)
                 self._finishing.add(rid)
+        if step_tokens == 0 and self._req_loads:
+            self.loader.wait(IDLE_WAIT_S)
         self._poll_loads()
         recving: set[str] = set()
         for rid, load in list(self._req_loads.items()):

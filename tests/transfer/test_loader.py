@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -398,4 +401,30 @@ def test_runtime_closing_mid_fetch_fails_the_loads_and_returns_buffers(
     results = drain_loads(loader, 3)
     assert {r.failure for r in results.values()} == {Failure.STORE_ERROR}
     assert all("cancelled" in r.detail for r in results.values())
+    assert_idle(loader)
+
+
+# -- waiting on an idle engine ---------------------------------------------------------------------------
+def test_wait_returns_at_once_when_nothing_is_being_fetched(runtime: Runtime, store: TensorStore) -> None:
+    loader = make_loader(store, runtime)
+    started = time.monotonic()
+    assert loader.wait(5.0) is False
+    assert time.monotonic() - started < 0.5
+
+
+def test_wait_returns_when_a_fetch_lands_not_at_its_timeout(
+    runtime: Runtime, gated: GatedBackend, gated_store: TensorStore
+) -> None:
+    gated.data["k"] = codec.encode(torch.ones(16), key="k")
+    loader = make_loader(gated_store, runtime)
+    loader.submit("k", NewTensor((16,), torch.float32))
+    assert gated.entered.wait(5)
+    assert loader.wait(0.05) is False  # still gated: the wait is bounded
+    timer = threading.Timer(0.1, runtime.call_soon, (gated.gate.set,))
+    timer.start()
+    started = time.monotonic()
+    assert loader.wait(10.0) is True
+    assert time.monotonic() - started < 5.0
+    (result,) = drain_loads(loader, 1).values()
+    assert result.ok
     assert_idle(loader)
