@@ -199,16 +199,23 @@ class StreamLoader:
         return results
 
     def wait(self, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds until a fetch lands; True if one did (collect it with ``poll``).
+        """Block up to ``timeout`` seconds until every fetch in flight has landed; True if any did.
 
         For an engine with nothing else to do (a step that scheduled no tokens while loads are in flight):
         vLLM's engine loop steps again at once, and those empty steps hold the GIL that the loop thread needs
-        to finish the very reads the engine is waiting for. A blocking wait hands the GIL over and returns
-        the moment a value is in. It returns at once when nothing is being fetched.
+        to finish the very reads the engine is waiting for. A blocking wait hands the GIL over; it returns as
+        soon as the last fetch is in (collect them with ``poll``), and at once when nothing is being fetched.
         """
-        if not self.futures_pending or self._copying:
-            return False
-        return self._landed.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while not self._copying and self.futures_pending > len(self._fetched):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._landed.clear()
+            if self.futures_pending <= len(self._fetched):  # landed between the test and the clear
+                break
+            self._landed.wait(remaining)
+        return bool(self._fetched)
 
     def cancel(self, key: str) -> bool:
         """Abandon a load (an aborted request): nothing is reported for it. False if it was not in flight."""

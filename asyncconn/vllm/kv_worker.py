@@ -47,9 +47,9 @@ __all__ = ["KVWorkerSide", "LayerLayout"]
 
 log = logging.getLogger(__name__)
 
-#: Longest wait for a landing load on a step that scheduled no tokens (see ``get_finished``): short enough
-#: that a request arriving meanwhile is scheduled a millisecond later at worst.
-IDLE_WAIT_S = 0.001
+#: Longest wait for the loads in flight on a step that scheduled no tokens (see ``get_finished``): short
+#: enough that a request arriving meanwhile is scheduled two milliseconds later at worst.
+IDLE_WAIT_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -407,7 +407,7 @@ class KVWorkerSide:
         reported in ``finished_sending`` once those saves are done.
 
         On a step that scheduled no tokens (``step_tokens == 0``) while loads are in flight, this waits up to
-        ``IDLE_WAIT_S`` for one to land (``StreamLoader.wait``): the engine has nothing else to do, and its
+        ``IDLE_WAIT_S`` for them to land (``StreamLoader.wait``): the engine has nothing else to do, and its
         back-to-back empty steps would otherwise hold the GIL the loop thread needs to finish the loads.
         """
         aborted: set[str] = set()
