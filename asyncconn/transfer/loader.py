@@ -189,7 +189,8 @@ class StreamLoader:
 
     def poll(self) -> list[LoadResult]:
         """Results of loads that completed since the last call (ready tensors and failures). Never blocks."""
-        self._landed.clear()  # before draining: a fetch handed back from here on sets it again
+        if self._landed.is_set():  # before draining: a fetch handed back from here on sets it again
+            self._landed.clear()
         results, self._results = self._results, []
         while self._copying and self._copying[0].event is not None and self._copying[0].event.query():
             self._finish_copy(self._copying.popleft(), results)

@@ -10,7 +10,7 @@ histogram cannot take without re-observing every sample.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = ["EC_COUNTERS", "ec_prom_metrics", "kv_prom_metrics"]
@@ -81,6 +81,41 @@ class _Counters:
                 child.inc(value)
 
 
+def _prom_metrics(
+    base: type[Any],
+    kind: str,
+    names: Iterable[str],
+    vllm_config: Any,
+    metric_types: Any,
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+    derive: Callable[[dict[str, Any]], None] | None = None,
+) -> Any:
+    """An instance of vLLM's ``base`` prom-metrics class (KV or EC: same constructor) feeding our counters;
+    ``derive`` adds computed names to a copy of each interval's stats before they are counted."""
+    from prometheus_client import Counter
+
+    class AsyncConnPromMetrics(base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self._counters = _Counters(metric_types[Counter], kind, names, labelnames, per_engine_labelvalues)
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            data = transfer_stats_data
+            if derive is not None:
+                data = dict(data)
+                derive(data)
+            self._counters.observe(data, engine_idx)
+
+    return AsyncConnPromMetrics()
+
+
+def _sum_load_failures(data: dict[str, Any]) -> None:
+    data["load_failed"] = sum(
+        v for k, v in data.items() if k.startswith("load_failed_") and isinstance(v, int)
+    )
+
+
 def kv_prom_metrics(
     vllm_config: Any,
     metric_types: Any,
@@ -88,22 +123,12 @@ def kv_prom_metrics(
     per_engine_labelvalues: dict[int, list[object]],
 ) -> Any:
     """``AsyncConnKVConnector.build_prom_metrics``: every counter of :data:`kv_meta.COUNTERS`."""
-    from prometheus_client import Counter
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
     from asyncconn.vllm.kv_meta import COUNTERS
 
-    class AsyncConnKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            self._counters = _Counters(
-                metric_types[Counter], "kv", COUNTERS, labelnames, per_engine_labelvalues
-            )
-
-        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-            self._counters.observe(transfer_stats_data, engine_idx)
-
-    return AsyncConnKVPromMetrics()
+    args = (vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    return _prom_metrics(KVConnectorPromMetrics, "kv", COUNTERS, *args)
 
 
 def ec_prom_metrics(
@@ -113,23 +138,7 @@ def ec_prom_metrics(
     per_engine_labelvalues: dict[int, list[object]],
 ) -> Any:
     """``AsyncConnECConnector.build_prom_metrics``: the counters of :data:`EC_COUNTERS`."""
-    from prometheus_client import Counter
     from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics
 
-    class AsyncConnECPromMetrics(ECConnectorPromMetrics):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            self._counters = _Counters(
-                metric_types[Counter], "ec", EC_COUNTERS, labelnames, per_engine_labelvalues
-            )
-
-        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-            data = dict(transfer_stats_data)
-            data["load_failed"] = sum(
-                v
-                for k, v in transfer_stats_data.items()
-                if k.startswith("load_failed_") and isinstance(v, int)
-            )
-            self._counters.observe(data, engine_idx)
-
-    return AsyncConnECPromMetrics()
+    args = (vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    return _prom_metrics(ECConnectorPromMetrics, "ec", EC_COUNTERS, *args, derive=_sum_load_failures)
