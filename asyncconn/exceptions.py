@@ -160,4 +160,4 @@ class LookupProtocolError(AsyncConnError):
 
 
 class SimulationError(AsyncConnError):
-    """The offline engine simulator (``asyncconn.vllm.sim``) was driven into a state vLLM would reject."""
+    """The offline engine simulator (``asyncconn.sim.engine``) was driven into a state vLLM would reject."""

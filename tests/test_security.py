@@ -2,9 +2,9 @@
 
 Claims proved elsewhere and referenced here rather than duplicated:
 - Redis with a password works and a wrong/missing password fails clearly:
-  ``tests/test_redis_backend.py::test_password_auth`` and ``::test_wrong_or_missing_password_fails_clearly``.
+  ``tests/backends/test_redis.py::test_password_auth`` and ``::test_wrong_or_missing_password_fails_clearly``.
 - TLS through ``rediss://`` against a CA made in the test:
-  ``tests/test_redis_backend.py::test_tls_round_trip``.
+  ``tests/backends/test_redis.py::test_tls_round_trip``.
 - The ipc socket file is 0600: ``tests/lookup/test_server.py::test_ipc_socket_file_is_private``.
 - Frames over ``max_message`` drop the peer and over ``max_keys`` get an error reply:
   ``tests/lookup/test_server.py::test_oversized_frame_is_dropped_and_server_keeps_serving`` and

@@ -194,6 +194,9 @@ PREFIX = {
     "bench transfer": ["bench", "transfer"],
     "bench engine": ["bench", "engine"],
     "bench gpu": ["bench", "gpu"],
+    "bench ec-sim": ["bench", "ec-sim"],
+    "bench redis": ["bench", "redis"],
+    "bench mooncake": ["bench", "mooncake", "--url", "mooncake://127.0.0.1:1"],
 }
 UNTYPED_OK: set[tuple[str, str]] = set()
 

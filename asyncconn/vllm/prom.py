@@ -125,7 +125,7 @@ def kv_prom_metrics(
     """``AsyncConnKVConnector.build_prom_metrics``: every counter of :data:`kv_meta.COUNTERS`."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-    from asyncconn.vllm.kv_meta import COUNTERS
+    from asyncconn.vllm.kv.metadata import COUNTERS
 
     args = (vllm_config, metric_types, labelnames, per_engine_labelvalues)
     return _prom_metrics(KVConnectorPromMetrics, "kv", COUNTERS, *args)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from asyncconn_backends.memory import MemoryBackend
 
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import BlockDest, CudaDevice, NewTensor, PinnedPool, SaveTracker, StreamLoader
-from backends.memory import MemoryBackend
 from tests.transfer.helpers import drain_loads, drain_saves, same_bytes, wait_until
 
 pytestmark = [

@@ -224,8 +224,8 @@ def test_a_saved_tensor_freed_at_once_is_not_reused_before_its_snapshot(
 def test_a_load_does_not_wait_for_the_save_trackers_copies(runtime: Runtime, store: TensorStore) -> None:
     """At the EC worker, where both engines are built from one device: its loader and save tracker must
     not share a stream. The save tracker's stream is kept busy; a prefetch must land meanwhile."""
-    from asyncconn.vllm.ec_meta import ECStepMetadata, ItemRef
-    from asyncconn.vllm.ec_worker import ECWorker
+    from asyncconn.vllm.ec.metadata import ECStepMetadata, ItemRef
+    from asyncconn.vllm.ec.worker import ECWorker
 
     settings = Settings.from_extra_config(
         {"backend_url": "memory://", "pinned_pool_bytes": "64MiB", "ec_max_row_bytes": "8KiB"}

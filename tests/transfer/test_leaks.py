@@ -7,13 +7,13 @@ import random
 
 import pytest
 import torch
+from asyncconn_backends.memory import MemoryBackend
 
 from asyncconn import codec
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import BlockDest, CpuDevice, Failure, NewTensor, PinnedPool, SaveTracker, StreamLoader
 from asyncconn.transfer.lazy import Pieces, Shared
-from backends.memory import MemoryBackend
 from tests.transfer.helpers import SAVER_IDLE, wait_until
 
 CYCLES = 10_000

@@ -7,13 +7,13 @@ import time
 
 import pytest
 import torch
+from asyncconn_backends.memory import MemoryBackend
 
 from asyncconn import codec
 from asyncconn.exceptions import ConfigError, DuplicateTransfer, TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import BlockDest, CpuDevice, Failure, NewTensor, PinnedPool, StreamLoader
-from backends.memory import MemoryBackend
 from tests.transfer.fakes import GatedBackend
 from tests.transfer.helpers import drain_loads, same_bytes, wait_until
 

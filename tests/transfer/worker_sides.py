@@ -49,9 +49,9 @@ def kv_round_trip(where: str) -> None:
     from asyncconn.runtime import Runtime
     from asyncconn.store import TensorStore
     from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_devices
-    from asyncconn.vllm.kv_keys import KeySpace, KVIdentity
-    from asyncconn.vllm.kv_meta import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
-    from asyncconn.vllm.kv_worker import KVWorkerSide
+    from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+    from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
+    from asyncconn.vllm.kv.worker import KVWorkerSide
 
     layers = [f"layer.{i}" for i in range(4)]
     identity = KVIdentity("worker-sides", "", "float16", "default", 16, 8, 128, tuple(layers), 1, 2)
@@ -119,8 +119,8 @@ def ec_save_prefetch_install(where: str) -> None:
     from asyncconn.config import Settings
     from asyncconn.runtime import Runtime
     from asyncconn.transfer import default_device
-    from asyncconn.vllm.ec_meta import ECStepMetadata, ItemRef
-    from asyncconn.vllm.ec_worker import ECWorker
+    from asyncconn.vllm.ec.metadata import ECStepMetadata, ItemRef
+    from asyncconn.vllm.ec.worker import ECWorker
 
     url = f"memory://ec-sides-{uuid.uuid4().hex[:8]}"
     settings = Settings.from_extra_config(

@@ -11,8 +11,8 @@ import torch
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.runtime import get_runtime
+from asyncconn.sim.engine import ConnectorSpec, MMItem, SimShape, embedding_for
 from asyncconn.store import TensorStore
-from asyncconn.vllm.sim import ConnectorSpec, MMItem, SimShape, embedding_for
 
 CLASS, MODULE = "LibraryECConnector", "examples.custom_connector"
 
