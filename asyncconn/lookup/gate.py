@@ -22,6 +22,12 @@ order) and the gate reads every pending monitor event before deciding, so the co
 the asking connection and every connection admitted before it. Hence the invariant: at most
 ``max_connections`` connections past their handshake at any time. Connections still in their handshake are
 bounded in time, not number: libzmq drops one that has not finished within ``ZMQ_HANDSHAKE_IVL`` (30 s).
+The price of counting them: connections arriving together see each other open, so a burst near the bound
+may be refused more than strictly needed (a burst of 100 against a bound of 8 admits between 0 and 8).
+
+Why not count handshakes by their events: libzmq reports none for a peer it drops during the greeting
+(an HTTP request, a ZMTP 1.0/2.0 greeting -- measured), so a count of outcomes would drift down, and the
+bound with it, by one per such peer.
 
 Refusal is ZAP status 400, not 300 ("try later"): measured on libzmq 4.3.5, a 300 leaves the connection
 open until its handshake timer fires -- so a refused client would keep a descriptor 30 s and then retry,
