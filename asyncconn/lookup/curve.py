@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
 import zmq.auth
 import zmq.utils.z85
 from zmq.auth.asyncio import AsyncioAuthenticator
