@@ -24,6 +24,7 @@ from asyncconn.lookup.protocol import DEFAULT_MAX_KEYS
 from asyncconn.lookup.server import (
     DEFAULT_BIND,
     DEFAULT_MAX_CLIENTS,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_INFLIGHT_KEYS,
     LookupServer,
 )
@@ -69,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_args.count,
         default=DEFAULT_MAX_CLIENTS,
         help="clients with requests held at once; a new client past it gets error replies",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_args.count,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="connections open at once (handshaking ones included); a connection past it is refused at its "
+        "handshake and closed (its client does not reconnect that socket)",
     )
     parser.add_argument(
         "--timeout", type=_args.positive_duration_text, default="5s", help="store call timeout"
@@ -126,6 +134,7 @@ async def serve(args: argparse.Namespace) -> int:
             max_bytes=parse_size(args.max_bytes),
             max_inflight_keys=args.max_inflight_keys,
             max_clients=args.max_clients,
+            max_connections=args.max_connections,
             curve=curve,
             insecure=args.insecure,
         )

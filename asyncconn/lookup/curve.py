@@ -9,8 +9,9 @@ just the Z85 key, or a ZMQ certificate file (``zmq.auth.create_certificates``). 
 parsed by pyzmq's ZPL reader, which only splits ``key = "value"`` lines -- nothing is evaluated. The
 server needs only its secret key (the public one is derived); clients need the server's public key.
 Optionally the server admits only client public keys found in a directory of certificate files (ZAP,
-answered by pyzmq's asyncio authenticator on the server's own loop); without it any client that knows the
-server's public key may connect, and traffic is still encrypted.
+answered by pyzmq's asyncio authenticator on the server's own loop -- the server's connection gate, see
+``lookup.gate``); without it any client that knows the server's public key may connect, and traffic is
+still encrypted.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
 import zmq.auth
 import zmq.utils.z85
 from zmq.auth.asyncio import AsyncioAuthenticator
@@ -33,9 +33,9 @@ __all__ = [
     "CurveServerKeys",
     "apply_client",
     "apply_server",
+    "configure_authenticator",
     "is_loopback",
     "load_key",
-    "start_authenticator",
 ]
 
 _LOOPBACK = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:", "ipc://", "inproc://")
@@ -140,15 +140,12 @@ def apply_client(sock: zmq.Socket[Any], keys: CurveClientKeys) -> None:
     sock.curve_secretkey = secret
 
 
-def start_authenticator(ctx: zmq.asyncio.Context, keys: CurveServerKeys) -> AsyncioAuthenticator | None:
-    """A ZAP handler admitting only the client keys in ``keys.clients_dir``; ``None`` when any client may.
+def configure_authenticator(auth: AsyncioAuthenticator, keys: CurveServerKeys, domain: str) -> None:
+    """Make the ZAP handler ``auth`` admit under ``domain`` only the client keys in ``keys.clients_dir``, or
+    any client when there is no such directory (CURVE itself still requires the server's public key).
 
-    It must be started on the server's context before the socket binds, and stopped before the context
-    is terminated (the caller owns it).
+    ``auth`` is started on the server's context before the socket binds, and stopped before the context is
+    terminated (the caller owns it). A directory that cannot be read admits nobody (pyzmq logs it).
     """
-    if keys.clients_dir is None:
-        return None
-    auth = AsyncioAuthenticator(ctx)
-    auth.start()
-    auth.configure_curve(domain="*", location=str(keys.clients_dir))
-    return auth
+    location = str(keys.clients_dir) if keys.clients_dir is not None else zmq.auth.CURVE_ALLOW_ANY
+    auth.configure_curve(domain=domain, location=location)

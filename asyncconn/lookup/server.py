@@ -22,6 +22,15 @@ after the other. ``max_clients`` bounds the clients
 with requests held (a new client past it is answered ``ERROR``); ZMQ queues at most ``QUEUE_HWM`` messages per
 connection each way.
 
+``max_connections`` bounds the connections themselves (each costs a file descriptor and libzmq's buffers,
+and libzmq accepts every one offered). The ROUTER's monitor counts the open connections -- handshaking ones
+included -- and a ZAP handler (``lookup.gate``; under CURVE the same handler checks the client allow-list
+first) refuses, at its handshake, a connection that finds more than ``max_connections`` open: libzmq sends
+the peer ZMTP ``ERROR`` and closes it at once, and a libzmq client does not reconnect that socket. So at
+most ``max_connections`` connections are ever past their handshake; one still in it is dropped by libzmq
+after ``ZMQ_HANDSHAKE_IVL`` (30 s). ``ServerStats.connections`` is the open count now,
+``connections_refused`` the refusals (logged like the other kinds below).
+
 Every request read gets exactly one reply -- REQ clients (vLLM's) wait for it forever otherwise: the
 answer, or ``ERROR`` when it is malformed, shed, or its batch failed in any way (the store, a
 ``MemoryError``, a bug). Malformed requests, sheds and failed batches are counted in
@@ -57,11 +66,11 @@ from dataclasses import dataclass, fields
 
 import zmq
 import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
 
 from asyncconn.exceptions import AsyncConnError, ConfigError, LookupProtocolError
 from asyncconn.lookup import curve as curve_keys
 from asyncconn.lookup import protocol
+from asyncconn.lookup.gate import ZAP_DOMAIN, ConnectionGate
 from asyncconn.lookup.protocol import Kind, Query
 from asyncconn.lookup.transports import leading, send_nowait
 from asyncconn.store import TensorStore
@@ -76,6 +85,8 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 #: Keys looked up in the store at once: the largest request plus the small-request reserve, twice over.
 DEFAULT_MAX_INFLIGHT_KEYS = 2 * protocol.DEFAULT_MAX_KEYS
 DEFAULT_MAX_CLIENTS = 1024
+#: Connections open at once (every vLLM engine holds one; the rest is headroom).
+DEFAULT_MAX_CONNECTIONS = 1024
 #: The largest frame: 65,536 32-byte block hashes are 2 MiB.
 DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
 #: Messages ZMQ queues per connection, each way. The reader drains its side continuously, so it holds a
@@ -89,7 +100,9 @@ class ServerStats:
 
     ``errors``: malformed or oversized requests; ``store_errors``: batches whose store call failed;
     ``shed``: requests answered ``ERROR`` because a bound was reached; ``failed``: requests answered
-    ``ERROR`` because their batch raised something unexpected (``MemoryError`` included).
+    ``ERROR`` because their batch raised something unexpected (``MemoryError`` included);
+    ``connections``: not a counter -- connections open now (handshaking ones included);
+    ``connections_refused``: connections refused at their handshake because ``max_connections`` were open.
     """
 
     requests: int = 0
@@ -101,6 +114,8 @@ class ServerStats:
     dropped_replies: int = 0
     shed: int = 0
     failed: int = 0
+    connections: int = 0
+    connections_refused: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -180,6 +195,7 @@ class LookupServer:
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_inflight_keys: int = DEFAULT_MAX_INFLIGHT_KEYS,
         max_clients: int = DEFAULT_MAX_CLIENTS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_batch: int = 512,
         batch_keys: int = 8192,
         max_inflight: int = 64,
@@ -195,6 +211,7 @@ class LookupServer:
             ("max_bytes", max_bytes),
             ("max_inflight_keys", max_inflight_keys),
             ("max_clients", max_clients),
+            ("max_connections", max_connections),
             ("max_batch", max_batch),
             ("batch_keys", batch_keys),
             ("max_inflight", max_inflight),
@@ -220,6 +237,7 @@ class LookupServer:
         self.max_bytes = max_bytes
         self.max_inflight_keys = max_inflight_keys
         self.max_clients = max_clients
+        self.max_connections = max_connections
         self.max_batch = max_batch
         self.batch_keys = batch_keys
         self.max_inflight = max_inflight
@@ -227,7 +245,7 @@ class LookupServer:
         self._on_reset = on_reset
         self._curve = curve
         self._insecure = insecure
-        self._auth: AsyncioAuthenticator | None = None
+        self._gate: ConnectionGate | None = None
         self._throttle = _Throttled(log_interval)
         self._clients: dict[bytes, _Client] = {}
         self._ready: deque[_Client] = deque()  # clients with a queued request, in round-robin order
@@ -255,9 +273,19 @@ class LookupServer:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         try:
+            # The ZAP handler must be bound on the context before the socket binds (libzmq consults it
+            # from the first handshake on).
+            self._gate = ConnectionGate(
+                ctx,
+                self.max_connections,
+                on_change=self._connections_changed,
+                on_refused=self._connection_refused,
+            )
+            self._gate.start()
             if self._curve is not None:
-                self._auth = curve_keys.start_authenticator(ctx, self._curve)
+                curve_keys.configure_authenticator(self._gate, self._curve, ZAP_DOMAIN)
                 curve_keys.apply_server(sock, self._curve)
+            self._gate.watch(sock)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
             sock.setsockopt(zmq.SNDHWM, QUEUE_HWM)
@@ -267,8 +295,8 @@ class LookupServer:
             if endpoint.startswith("ipc://"):
                 os.chmod(endpoint[len("ipc://") :], 0o600)
         except (zmq.ZMQError, OSError) as exc:
+            self._close_gate()
             sock.close(0)
-            self._stop_auth()
             ctx.term()
             raise ConfigError(f"lookup server: cannot bind {self.bind!r}: {exc}") from None
         self._ctx, self._sock, self.endpoint = ctx, sock, endpoint
@@ -308,21 +336,31 @@ class LookupServer:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self._close_gate()  # before the socket: the gate stops the socket's monitor first
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close(0)
         self._clients.clear()
         self._ready.clear()
         self._held_bytes = self._inflight_keys = 0
-        self._stop_auth()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.term()
 
-    def _stop_auth(self) -> None:
-        auth, self._auth = self._auth, None
-        if auth is not None:
-            auth.stop()
+    def _close_gate(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.close()
+
+    # -- connections (the gate calls these on the loop) -----------------------------------------------
+    def _connections_changed(self, connections: int) -> None:
+        self.stats.connections = connections
+
+    def _connection_refused(self, connections: int) -> None:
+        self.stats.connections_refused += 1
+        self._throttle.note(
+            "connections refused", f"{connections} connections open, max_connections {self.max_connections}"
+        )
 
     # -- reading and admission -----------------------------------------------------------------------
     async def _read(self) -> None:

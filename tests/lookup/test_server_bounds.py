@@ -280,6 +280,7 @@ def test_bounds_are_checked_at_start_up(rt: Runtime) -> None:
     for kw in (
         {"max_bytes": 0},
         {"max_clients": -1},
+        {"max_connections": 0},
         {"max_inflight_keys": 1000},  # below max_keys + batch_keys
         {"max_bytes": 1024, "max_message": 4096},
         {"max_batch": True},
