@@ -115,7 +115,8 @@ class BackendTimeout(BackendError):
 
 
 class RuntimeStateError(AsyncConnError):
-    """The loop runtime was used in a way that cannot work."""
+    """An object was used in a way its state cannot serve: the loop runtime (closed, blocked, forked), or a
+    connector facade asked for the side of the role it was not built with."""
 
 
 class RuntimeClosed(RuntimeStateError):

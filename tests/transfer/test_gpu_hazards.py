@@ -225,12 +225,12 @@ def test_a_load_does_not_wait_for_the_save_trackers_copies(runtime: Runtime, sto
     """At the EC worker, where both engines are built from one device: its loader and save tracker must
     not share a stream. The save tracker's stream is kept busy; a prefetch must land meanwhile."""
     from asyncconn.vllm.ec.metadata import ECStepMetadata, ItemRef
-    from asyncconn.vllm.ec.worker import ECWorker
+    from asyncconn.vllm.ec.worker import ECWorkerSide
 
     settings = Settings.from_extra_config(
         {"backend_url": "memory://", "pinned_pool_bytes": "64MiB", "ec_max_row_bytes": "8KiB"}
     )
-    worker = ECWorker(
+    worker = ECWorkerSide(
         settings, producer=True, consumer=True, runtime=runtime, device=CudaDevice(), store=store
     )
     assert worker.loader is not None and worker.saver is not None

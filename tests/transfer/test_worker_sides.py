@@ -66,11 +66,11 @@ def test_engine_devices_are_two_devices() -> None:
 
 
 def test_ec_worker_gives_its_loader_and_saver_a_device_each(runtime: Runtime) -> None:
-    from asyncconn.vllm.ec.worker import ECWorker
+    from asyncconn.vllm.ec.worker import ECWorkerSide
 
     settings = Settings.from_extra_config({"backend_url": "memory://ec-owners", "pinned_pool_bytes": "1MiB"})
     device = CpuDevice()
-    worker = ECWorker(settings, producer=True, consumer=True, runtime=runtime, device=device)
+    worker = ECWorkerSide(settings, producer=True, consumer=True, runtime=runtime, device=device)
     try:
         assert worker.loader is not None and worker.saver is not None
         assert worker.loader.device is not worker.saver.device

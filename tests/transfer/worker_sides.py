@@ -120,7 +120,7 @@ def ec_save_prefetch_install(where: str) -> None:
     from asyncconn.runtime import Runtime
     from asyncconn.transfer import default_device
     from asyncconn.vllm.ec.metadata import ECStepMetadata, ItemRef
-    from asyncconn.vllm.ec.worker import ECWorker
+    from asyncconn.vllm.ec.worker import ECWorkerSide
 
     url = f"memory://ec-sides-{uuid.uuid4().hex[:8]}"
     settings = Settings.from_extra_config(
@@ -128,10 +128,10 @@ def ec_save_prefetch_install(where: str) -> None:
     )
     runtime = Runtime(name=f"ec-sides-{where}").start()
     try:
-        producer = ECWorker(
+        producer = ECWorkerSide(
             settings, producer=True, consumer=False, runtime=runtime, device=default_device(where)
         )
-        consumer = ECWorker(
+        consumer = ECWorkerSide(
             settings, producer=False, consumer=True, runtime=runtime, device=default_device(where)
         )
         emb = torch.randn(1792, 2048, device=where).to(torch.bfloat16)  # 7 MiB

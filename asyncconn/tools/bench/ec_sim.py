@@ -175,7 +175,7 @@ def _step_costs(
             sim.add_request(f"t{i}", [(i * 11 + j) % 1000 for j in range(32)], max_tokens=120)
         for _ in range(3):  # prefill the text batch: decode steps from here on
             sim.step()
-        scheduler = sim.scheduler.ec_connector.scheduler
+        scheduler = sim.scheduler.ec_connector.scheduler_side
         sched_clock, worker_clock = _StepClock(), _StepClock()
         sched_clock.wrap(sim.scheduler.ec_connector, *_SCHEDULER_HOOKS)
         for w in sim.workers:

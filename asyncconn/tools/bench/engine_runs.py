@@ -233,7 +233,7 @@ def ec_bench(images: int = 8, rounds: int = 3) -> dict[str, Any]:
                 pd.generate(batch, sampling_list, use_tqdm=False)
                 into.append((time.perf_counter() - started) / images)
                 if ec is not None:
-                    loader = Probe(pd).ec_worker_connector().worker.loader
+                    loader = Probe(pd).ec_worker_connector().worker_side.loader
                     loaded_items.append(loader.loaded)
             finally:
                 close_llm(pd)

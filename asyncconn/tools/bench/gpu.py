@@ -10,7 +10,7 @@ is the engines alone; this is the worker sides vLLM drives, with no vLLM needed:
 - *kv_save*: the same values saved by :class:`KVWorkerSide`: device time of the save tracker's D2H
   snapshots against a raw pinned ``copy_`` to the host of the same bytes (target >= 0.9x).
 - *ec_install*: host time of the forward-path call that installs a prefetched ``--ec-rows`` x
-  ``--ec-width`` bf16 embedding (7 MiB by default) into ``encoder_cache`` (``ECWorker.start_load_caches``
+  ``--ec-width`` bf16 embedding (7 MiB by default) into ``encoder_cache`` (``ECWorkerSide.start_load_caches``
   with one install), p50/p99 over ``--repeat`` items (target <= 20 us).
 
 Device times come from CUDA events on the streams that ran the work. Without CUDA nothing is measured
@@ -257,7 +257,7 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
 # -- EC ----------------------------------------------------------------------------------------------------
 def _bench_ec(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     from asyncconn.vllm.ec.metadata import ECStepMetadata, ItemRef
-    from asyncconn.vllm.ec.worker import ECWorker
+    from asyncconn.vllm.ec.worker import ECWorkerSide
 
     where = "cuda" if cuda else "cpu"
     rows, width = args.ec_rows, args.ec_width
@@ -271,7 +271,7 @@ def _bench_ec(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
         }
     )
     device: TransferDevice = CudaDevice() if cuda else CpuDevice()
-    worker = ECWorker(settings, producer=False, consumer=True, runtime=runtime, device=device)
+    worker = ECWorkerSide(settings, producer=False, consumer=True, runtime=runtime, device=device)
     store = worker.store
     install_s: list[float] = []
     try:

@@ -82,8 +82,8 @@ def connector_leaks(sim: Any, settle: float = 5.0) -> list[str]:
     sources: list[tuple[str, Any, str]] = []
     ec = getattr(sim.scheduler, "ec_connector", None)
     if ec is not None:
-        sources.append(("EC scheduler", ec.scheduler, "counters"))
-        sources += [(f"EC worker {w.rank}", w.ec_connector.worker, "counters") for w in sim.workers]
+        sources.append(("EC scheduler", ec.scheduler_side, "counters"))
+        sources += [(f"EC worker {w.rank}", w.ec_connector.worker_side, "counters") for w in sim.workers]
     kv = getattr(sim.scheduler, "connector", None)
     if kv is not None:
         sources.append(("KV scheduler", kv.scheduler_side, "counts"))

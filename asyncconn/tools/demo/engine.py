@@ -82,9 +82,9 @@ def ec_part(backend_url: str, workdir: Path) -> dict[str, Any]:
                 "seconds": time.perf_counter() - started,
             }
             if role is not None:
-                worker = probe.ec_worker_connector().worker
+                worker = probe.ec_worker_connector().worker_side
                 worker.poll()
-                out["idle"] = _idle(probe.ec_scheduler_connector().scheduler.counters()) and _idle(
+                out["idle"] = _idle(probe.ec_scheduler_connector().scheduler_side.counters()) and _idle(
                     worker.counters()
                 )
                 out["loaded"] = worker.loader.loaded if worker.loader else 0

@@ -8,8 +8,8 @@ Loaded by vLLM with::
                      ec_connector_extra_config={"backend_url": "redis://...", ...})
 
 vLLM builds one instance per role: the scheduler process gets a scheduler-side one, each worker a
-worker-side one. Each builds exactly one of :class:`~asyncconn.vllm.ec.scheduler.ECScheduler` or
-:class:`~asyncconn.vllm.ec.worker.ECWorker` and delegates; this module only adapts types and roles.
+worker-side one. Each builds exactly one of :class:`~asyncconn.vllm.ec.scheduler.ECSchedulerSide` or
+:class:`~asyncconn.vllm.ec.worker.ECWorkerSide` and delegates; this module only adapts types and roles.
 Settings come from ``ec_connector_extra_config`` (:class:`~asyncconn.config.Settings`): a bad key fails at
 engine start-up, naming it. Counters (lookups, deferrals, prefetches, installs, loads, saves, failures) are
 exported through vLLM's EC connector stats (``get_ec_connector_stats`` / ``build_ec_connector_stats``).
@@ -34,8 +34,8 @@ from asyncconn.config import Settings
 from asyncconn.exceptions import RuntimeStateError
 from asyncconn.lookup import EXISTS, LookupConfig, open_lookup_client
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport
-from asyncconn.vllm.ec.scheduler import ECScheduler
-from asyncconn.vllm.ec.worker import ECWorker
+from asyncconn.vllm.ec.scheduler import ECSchedulerSide
+from asyncconn.vllm.ec.worker import ECWorkerSide
 
 __all__ = ["AsyncConnECConnector", "AsyncConnECStats"]
 
@@ -75,11 +75,11 @@ class AsyncConnECConnector(ECConnectorBase):  # type: ignore[misc]
         super().__init__(vllm_config, role)
         ec_config = vllm_config.ec_transfer_config
         self.settings = Settings.from_extra_config(ec_config.ec_connector_extra_config)
-        self._scheduler: ECScheduler | None = None
-        self._worker: ECWorker | None = None
+        self._scheduler: ECSchedulerSide | None = None
+        self._worker: ECWorkerSide | None = None
         if role == ECConnectorRole.SCHEDULER:
             lookup = open_lookup_client(LookupConfig.from_settings(self.settings), EXISTS)
-            self._scheduler = ECScheduler(
+            self._scheduler = ECSchedulerSide(
                 self.settings,
                 lookup,
                 producer=self.is_producer,
@@ -87,45 +87,51 @@ class AsyncConnECConnector(ECConnectorBase):  # type: ignore[misc]
                 expected_workers=_expected_workers(vllm_config),
             )
         else:
-            self._worker = ECWorker(self.settings, producer=self.is_producer, consumer=self.is_consumer)
+            self._worker = ECWorkerSide(self.settings, producer=self.is_producer, consumer=self.is_consumer)
         self._reported: dict[str, int] = {}
 
     # -- the one object this facade delegates to -------------------------------------------------------
     @property
-    def scheduler(self) -> ECScheduler:
+    def scheduler_side(self) -> ECSchedulerSide:
+        """The scheduler side; :class:`RuntimeStateError` on a worker-role connector.
+
+        Why not :class:`ConfigError`: no setting is wrong -- vLLM fixed the role when it built this object,
+        and a method of the other role was called on it (a misuse of the object in its state).
+        """
         if self._scheduler is None:
             raise RuntimeStateError("a scheduler-side EC method was called on a worker-side connector")
         return self._scheduler
 
     @property
-    def worker(self) -> ECWorker:
+    def worker_side(self) -> ECWorkerSide:
+        """The worker side; :class:`RuntimeStateError` on a scheduler-role connector (see ``scheduler_side``)."""
         if self._worker is None:
             raise RuntimeStateError("a worker-side EC method was called on a scheduler-side connector")
         return self._worker
 
     # -- scheduler side ---------------------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        return self.scheduler.has_cache_item(identifier)
+        return self.scheduler_side.has_cache_item(identifier)
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
-        return self.scheduler.ensure_cache_available(request, num_computed_tokens)
+        return self.scheduler_side.ensure_cache_available(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
-        self.scheduler.update_state_after_alloc(request, index)
+        self.scheduler_side.update_state_after_alloc(request, index)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        return self.scheduler_side.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         report = getattr(connector_output, "ec_connector_worker_meta", None)
         if isinstance(report, ECWorkerReport):
-            self.scheduler.update_connector_output(report)
+            self.scheduler_side.update_connector_output(report)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request)
+        return self.scheduler_side.request_finished(request)
 
     def take_unavailable_requests(self) -> set[str]:
-        return self.scheduler.take_unavailable_requests()
+        return self.scheduler_side.take_unavailable_requests()
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
@@ -174,18 +180,18 @@ class AsyncConnECConnector(ECConnectorBase):  # type: ignore[misc]
             return
         meta = self._connector_metadata
         if isinstance(meta, ECStepMetadata):
-            self.worker.start_load_caches(encoder_cache, meta)
+            self.worker_side.start_load_caches(encoder_cache, meta)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         if self.is_producer:  # vLLM calls this for every encoder output, whatever the role
-            self.worker.save_caches(encoder_cache, mm_hash)
+            self.worker_side.save_caches(encoder_cache, mm_hash)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self.worker.end_step()
+        self.worker_side.end_step()
         return None, None
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
-        return self.worker.report()
+        return self.worker_side.report()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -50,7 +50,7 @@ from asyncconn.config import Settings
 from asyncconn.lookup import EXISTS, LookupClient
 from asyncconn.vllm.ec.metadata import SAVING_PARAM, ECStepMetadata, ECWorkerReport, ItemRef
 
-__all__ = ["ECScheduler", "ItemState"]
+__all__ = ["ECSchedulerSide", "ItemState"]
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class _Push:
     poll_interval: float = ARRIVAL_POLL_S
 
 
-class ECScheduler:
+class ECSchedulerSide:
     """Scheduler-side EC logic for one engine. ``lookup`` is an ``EXISTS`` client over the same keys the
     workers load and save (``key_prefix + mm_hash``)."""
 

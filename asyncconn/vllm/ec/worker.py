@@ -39,14 +39,14 @@ from asyncconn.transfer import LoadResult, NewTensor, PinnedPool, SaveTracker, S
 from asyncconn.transfer._device import LOAD_PRIORITY, SAVE_PRIORITY, TransferDevice, default_device
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport, ItemRef
 
-__all__ = ["ECWorker"]
+__all__ = ["ECWorkerSide"]
 
 log = logging.getLogger(__name__)
 
 _SYNC_POLL_S = 0.0002
 
 
-class ECWorker:
+class ECWorkerSide:
     """Worker-side EC logic for one worker (one rank)."""
 
     def __init__(

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from asyncconn.config import Settings
-from asyncconn.exceptions import BackendTimeout, ConfigError
+from asyncconn.exceptions import BackendTimeout, ConfigError, RuntimeStateError
 from asyncconn.lookup import PREFIX, LookupConfig, open_lookup_client
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
@@ -166,17 +166,23 @@ class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
             preempt_timeout=settings.store_timeout,
         )
 
-    # -- accessors (tests, simulators) -----------------------------------------------------------------
+    # -- the one object this facade delegates to -------------------------------------------------------
     @property
     def scheduler_side(self) -> KVSchedulerSide:
+        """The scheduler side; :class:`RuntimeStateError` on a worker-role connector.
+
+        Why not :class:`ConfigError`: no setting is wrong -- vLLM fixed the role when it built this object,
+        and a method of the other role was called on it (a misuse of the object in its state).
+        """
         if self._scheduler is None:
-            raise ConfigError("this AsyncConnKVConnector has the worker role")
+            raise RuntimeStateError("a scheduler-side KV method was called on a worker-side connector")
         return self._scheduler
 
     @property
     def worker_side(self) -> KVWorkerSide:
+        """The worker side; :class:`RuntimeStateError` on a scheduler-role connector (see ``scheduler_side``)."""
         if self._worker is None:
-            raise ConfigError("this AsyncConnKVConnector has the scheduler role")
+            raise RuntimeStateError("a worker-side KV method was called on a scheduler-side connector")
         return self._worker
 
     def configure_tensor_parallel(self, tp_size: int, rank: int = 0) -> None:

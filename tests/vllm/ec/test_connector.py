@@ -19,7 +19,7 @@ import torch
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.backend import open_backend
-from asyncconn.exceptions import ConfigError
+from asyncconn.exceptions import ConfigError, RuntimeStateError
 from asyncconn.runtime import get_runtime
 from asyncconn.sim.engine import ConnectorSpec, EngineSim, MMItem, SimShape, embedding_for
 from asyncconn.store import TensorStore
@@ -48,11 +48,11 @@ def prompt(n: int = 64) -> list[int]:
 
 
 def sched(sim: EngineSim) -> Any:
-    return sim.scheduler.ec_connector.scheduler
+    return sim.scheduler.ec_connector.scheduler_side
 
 
 def workers(sim: EngineSim) -> list[Any]:
-    return [w.ec_connector.worker for w in sim.workers]
+    return [w.ec_connector.worker_side for w in sim.workers]
 
 
 def counts(sim: EngineSim) -> dict[str, int]:
@@ -632,6 +632,21 @@ def test_bad_extra_config_fails_at_start_naming_the_key(make_sim: Any) -> None:
         make_sim(ec=spec("ec_consumer", store_url(), arrival_timeuot="1s"))
     with pytest.raises(ConfigError, match="load_timeout"):
         make_sim(ec=spec("ec_consumer", store_url(), load_timeout="-1s"))
+
+
+def test_a_method_of_the_other_role_raises_runtime_state_error(make_sim: Any) -> None:
+    """Each facade builds one side; asking a scheduler-role connector for worker work (and back) is the same
+    error type as in the KV connector: RuntimeStateError, naming the side."""
+    pd = make_sim(ec=spec("ec_consumer", store_url()))
+    scheduler_role, worker_role = pd.scheduler.ec_connector, pd.workers[0].ec_connector
+    with pytest.raises(RuntimeStateError, match="worker-side EC method"):
+        _ = scheduler_role.worker_side
+    with pytest.raises(RuntimeStateError, match="worker-side EC method"):
+        scheduler_role.get_finished(set())
+    with pytest.raises(RuntimeStateError, match="scheduler-side EC method"):
+        _ = worker_role.scheduler_side
+    with pytest.raises(RuntimeStateError, match="scheduler-side EC method"):
+        worker_role.has_cache_item("img-x")
 
 
 @pytest.mark.parametrize("name", ["vllm_ec_producer.json", "vllm_ec_consumer.json"])

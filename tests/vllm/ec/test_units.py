@@ -18,8 +18,8 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, default_device
 from asyncconn.vllm.ec.metadata import SAVING_PARAM, ECStepMetadata, ECWorkerReport, ItemRef
-from asyncconn.vllm.ec.scheduler import ECScheduler, ItemState
-from asyncconn.vllm.ec.worker import ECWorker
+from asyncconn.vllm.ec.scheduler import ECSchedulerSide, ItemState
+from asyncconn.vllm.ec.worker import ECWorkerSide
 
 
 @pytest.fixture
@@ -38,12 +38,12 @@ def put(runtime: Runtime, store: TensorStore, key: str, tensor: torch.Tensor) ->
     runtime.run(store.put([(key, tensor)]), 5)
 
 
-def make_worker(runtime: Runtime, url: str, *, device: Any = None, **extra: Any) -> ECWorker:
+def make_worker(runtime: Runtime, url: str, *, device: Any = None, **extra: Any) -> ECWorkerSide:
     settings = Settings.from_extra_config({"backend_url": url, "pinned_pool_bytes": "64MiB", **extra})
-    return ECWorker(settings, producer=True, consumer=True, runtime=runtime, device=device or CpuDevice())
+    return ECWorkerSide(settings, producer=True, consumer=True, runtime=runtime, device=device or CpuDevice())
 
 
-def settle(worker: ECWorker, wanted: set[str], timeout: float = 5.0) -> ECWorkerReport:
+def settle(worker: ECWorkerSide, wanted: set[str], timeout: float = 5.0) -> ECWorkerReport:
     """Poll until every hash in ``wanted`` is ready or failed; merge the reports seen meanwhile."""
     merged = ECWorkerReport()
     deadline = time.monotonic() + timeout
@@ -259,12 +259,12 @@ def step(tokens: int) -> Any:
 
 @pytest.fixture
 def make_scheduler(runtime: Runtime, url: str) -> Iterator[Any]:
-    made: list[ECScheduler] = []
+    made: list[ECSchedulerSide] = []
 
-    def factory(*, producer: bool = False, consumer: bool = True, **extra: Any) -> ECScheduler:
+    def factory(*, producer: bool = False, consumer: bool = True, **extra: Any) -> ECSchedulerSide:
         settings = Settings.from_extra_config({"backend_url": url, **extra})
         lookup = open_lookup_client(LookupConfig(backend_url=url), EXISTS, runtime=runtime)
-        made.append(ECScheduler(settings, lookup, producer=producer, consumer=consumer))
+        made.append(ECSchedulerSide(settings, lookup, producer=producer, consumer=consumer))
         return made[-1]
 
     yield factory
@@ -272,7 +272,7 @@ def make_scheduler(runtime: Runtime, url: str) -> Iterator[Any]:
         s.close()
 
 
-def wait_answer(s: ECScheduler, req: Any, n: int = 0, timeout: float = 5.0) -> bool:
+def wait_answer(s: ECSchedulerSide, req: Any, n: int = 0, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if s.ensure_cache_available(req, n):
@@ -314,7 +314,7 @@ def test_items_before_num_computed_tokens_are_ignored(make_scheduler: Any) -> No
     assert all(v == 0 for v in s.counters().values())
 
 
-def make_ready(s: ECScheduler, req: Any, *workers: str) -> None:
+def make_ready(s: ECSchedulerSide, req: Any, *workers: str) -> None:
     """Drive the request's single item from its lookup to READY on a busy engine."""
     s.build_connector_meta(step(8))
     assert wait_answer(s, req) is False
@@ -513,7 +513,7 @@ def test_an_announced_item_that_never_lands_is_polled_with_backoff(runtime: Runt
     now = [100.0]
     settings = Settings.from_extra_config({"backend_url": url, "arrival_timeout": "3s"})
     lookup = open_lookup_client(LookupConfig(backend_url=url), EXISTS, runtime=runtime)
-    s = ECScheduler(settings, lookup, producer=False, consumer=True, clock=lambda: now[0])
+    s = ECSchedulerSide(settings, lookup, producer=False, consumer=True, clock=lambda: now[0])
     try:
         s.build_connector_meta(step(8))
         req = request("r1", ("img-never", 0, 4), params={SAVING_PARAM: ["img-never"]})

@@ -486,6 +486,23 @@ def test_bad_config_and_unreachable_store_fail_at_start_up(make_sim: Any) -> Non
         make_sim(kv=kv_spec(dead, store_timeout="1s", lookup_timeout="1s"))
 
 
+def test_a_method_of_the_other_role_raises_runtime_state_error(make_sim: Any) -> None:
+    """Each facade builds one side; asking a scheduler-role connector for worker work (and back) is the same
+    error type as in the EC connector: RuntimeStateError, naming the side."""
+    from asyncconn.exceptions import RuntimeStateError
+
+    sim = make_sim(kv=kv_spec(store_url()))
+    scheduler_role, worker_role = sim.scheduler.connector, sim.workers[0].kv_connector
+    with pytest.raises(RuntimeStateError, match="worker-side KV method"):
+        _ = scheduler_role.worker_side
+    with pytest.raises(RuntimeStateError, match="worker-side KV method"):
+        scheduler_role.get_block_ids_with_load_errors()
+    with pytest.raises(RuntimeStateError, match="scheduler-side KV method"):
+        _ = worker_role.scheduler_side
+    with pytest.raises(RuntimeStateError, match="scheduler-side KV method"):
+        worker_role.update_connector_output(None)
+
+
 def test_cpu_wait_for_save_names_values_by_hash_and_gathers_on_the_copy_thread(
     make_sim: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
