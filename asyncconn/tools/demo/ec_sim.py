@@ -146,7 +146,9 @@ def run_ec_demo(
             "E leak check (requests, queues, encoder cache, KV blocks)": e.leak_check() == [],
             "PD leak check (requests, queues, encoder cache, KV blocks)": pd.leak_check() == [],
             "PD connector holds nothing": not any(
-                v for k, v in pd.scheduler.ec_connector.scheduler_side.counters().items() if k != "pending_drops"
+                v
+                for k, v in pd.scheduler.ec_connector.scheduler_side.counters().items()
+                if k != "pending_drops"
             ),
         }
         return {"title": "EC: encoder (E) -> prefill/decode (PD)", "figures": figures, "checks": checks}

@@ -104,7 +104,7 @@ class AsyncConnECConnector(ECConnectorBase):  # type: ignore[misc]
 
     @property
     def worker_side(self) -> ECWorkerSide:
-        """The worker side; :class:`RuntimeStateError` on a scheduler-role connector (see ``scheduler_side``)."""
+        """The worker side; :class:`RuntimeStateError` on a scheduler-role connector."""
         if self._worker is None:
             raise RuntimeStateError("a worker-side EC method was called on a scheduler-side connector")
         return self._worker

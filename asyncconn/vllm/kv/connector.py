@@ -180,7 +180,7 @@ class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
 
     @property
     def worker_side(self) -> KVWorkerSide:
-        """The worker side; :class:`RuntimeStateError` on a scheduler-role connector (see ``scheduler_side``)."""
+        """The worker side; :class:`RuntimeStateError` on a scheduler-role connector."""
         if self._worker is None:
             raise RuntimeStateError("a worker-side KV method was called on a scheduler-side connector")
         return self._worker
