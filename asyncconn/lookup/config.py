@@ -8,7 +8,6 @@ reached. Both set is allowed (the server wins for lookups; ``backend_url`` stays
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -53,7 +52,8 @@ class LookupConfig:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LookupConfig:
-        """The lookup part of a connector's validated :class:`~asyncconn.config.Settings`."""
+        """The lookup part of a connector's validated :class:`~asyncconn.config.Settings`: the one way from
+        an ``extra_config`` to a lookup client (``Settings.from_extra_config`` refuses unknown keys)."""
         return cls(
             backend_url=settings.backend_url,
             lookup_server=settings.lookup_server,
@@ -63,29 +63,6 @@ class LookupConfig:
             server_key=settings.lookup_server_key,
             connect_timeout=settings.connect_timeout,
         )
-
-    @classmethod
-    def from_mapping(cls, extra: Mapping[str, Any]) -> LookupConfig:
-        """Read ``backend_url``, ``lookup_server``, ``key_prefix``, ``lookup_timeout`` ("3s", "500ms" or
-        seconds), ``lookup_max_pending`` and ``connect_timeout`` from a connector's extra_config, each
-        checked as :class:`~asyncconn.config.Settings` checks it; other keys are ignored."""
-        names = {
-            "backend_url": "backend_url",
-            "lookup_server": "lookup_server",
-            "key_prefix": "key_prefix",
-            "lookup_timeout": "timeout",
-            "lookup_max_pending": "max_pending",
-            "connect_timeout": "connect_timeout",
-        }
-        kwargs = {
-            field_name: Settings.parse_value(key, extra[key])
-            for key, field_name in names.items()
-            if key in extra and not (extra[key] is None and key in ("backend_url", "lookup_server"))
-        }
-        return cls(**kwargs)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def __repr__(self) -> str:
         """The fields, with ``backend_url``'s password redacted (the dataclass repr would print it)."""
