@@ -528,19 +528,19 @@ class RedisBackend(StorageBackend):
         await self._pool.disconnect()
 
     # -- introspection (tests count these back to zero) ------------------------------------------------
-    def connection_counts(self) -> tuple[int, int]:
-        """``(connected, in_use)``: pooled connections holding an open socket, and those lent out now.
+    def counters(self) -> dict[str, int]:
+        """Connections held now: ``connected`` (pooled ones holding an open socket) and ``in_use`` (lent out).
 
         Tests count both back to zero; redis-py's public ``get_connection_count`` also counts connection
         objects whose socket is already closed, so the pool's lists are read directly.
         """
         pool = self._pool
         every = [*pool._available_connections, *pool._in_use_connections]
-        connected, in_use = sum(c.is_connected for c in every), len(pool._in_use_connections)
+        out = {"connected": sum(c.is_connected for c in every), "in_use": len(pool._in_use_connections)}
         if self._reader is not None:
-            raw_connected, raw_in_use = self._reader.counts()
-            connected, in_use = connected + raw_connected, in_use + raw_in_use
-        return connected, in_use
+            raw = self._reader.counters()
+            out = {k: v + raw[k] for k, v in out.items()}
+        return out
 
 
 class _Landing(enum.Enum):

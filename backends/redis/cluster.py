@@ -214,12 +214,12 @@ class _NodeReaders(ChunkReader):
         for reader in self._nodes.values():
             await reader.close()
 
-    def counts(self) -> tuple[int, int]:
-        connected = in_use = 0
+    def counters(self) -> dict[str, int]:
+        out = {"connected": 0, "in_use": 0}
         for reader in self._nodes.values():
-            c, u = reader.counts()
-            connected, in_use = connected + c, in_use + u
-        return connected, in_use
+            for k, v in reader.counters().items():
+                out[k] += v
+        return out
 
 
 class RedisClusterBackend(RedisBackend):
@@ -331,14 +331,15 @@ class RedisClusterBackend(RedisBackend):
         with contextlib.suppress(rexc.RedisError, OSError):
             await self._cluster.aclose()
 
-    def connection_counts(self) -> tuple[int, int]:
-        """``(connected, in_use)`` over every node's pool and raw reader (tests count both back to zero)."""
+    def counters(self) -> dict[str, int]:
+        """``connected`` and ``in_use`` over every node's pool and raw reader (tests count both to zero)."""
         connected = in_use = 0
         for node in self._cluster.get_nodes():
             connections = node._connections
             connected += sum(c.is_connected for c in connections)
             in_use += len(connections) - len(node._free)
+        out = {"connected": connected, "in_use": in_use}
         if self._reader is not None:
-            raw_connected, raw_in_use = self._reader.counts()
-            connected, in_use = connected + raw_connected, in_use + raw_in_use
-        return connected, in_use
+            raw = self._reader.counters()
+            out = {k: v + raw[k] for k, v in out.items()}
+        return out

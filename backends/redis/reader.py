@@ -433,10 +433,10 @@ class ChunkReader:
             _close(proto)
         self._idle.clear()
 
-    def counts(self) -> tuple[int, int]:
-        """``(connected, in_use)``, as for the redis-py pool."""
+    def counters(self) -> dict[str, int]:
+        """Connections held now: ``connected`` (an open socket) and ``in_use`` (lent out), as for the pool."""
         every = [*self._idle, *self._in_use]
-        return sum(not p.lost for p in every), len(self._in_use)
+        return {"connected": sum(not p.lost for p in every), "in_use": len(self._in_use)}
 
 
 def _close(proto: _RespProtocol) -> None:

@@ -185,7 +185,7 @@ async def test_get_into_lands_chunks_in_the_destination(
             assert torch.equal(out, value)
         assert copies == (0 if direct else 2)
         assert reader.stats.hits == 2 and reader.stats.corrupt == 0
-        assert reader_backend.connection_counts()[1] == 0
+        assert reader_backend.counters()["in_use"] == 0
     finally:
         await writer.delete(["k"])
         await writer.close()
@@ -210,7 +210,7 @@ async def test_get_into_inline_absent_and_wrong_size(redis_server: RedisServer, 
             assert not wrong.any()
         out = torch.empty_like(big)
         assert await store.read_into("big", out) is Fetch.HIT and torch.equal(out, big)
-        assert store.stats.corrupt == 2 and backend.connection_counts()[1] == 0
+        assert store.stats.corrupt == 2 and backend.counters()["in_use"] == 0
     finally:
         await store.delete(["small", "big"])
         await store.close()
@@ -435,7 +435,7 @@ def test_round_trip_on_the_runtime_loop(redis_server: RedisServer, runtime: Runt
     url = _url(redis_server, f"chunk_size=64KiB&prefix=rt-loop-{fast_read}:&fast_read={fast_read}")
     tensors = [torch.randn(300, 1000), torch.randn(10)]
 
-    async def scenario() -> tuple[list[torch.Tensor | None], tuple[int, int]]:
+    async def scenario() -> tuple[list[torch.Tensor | None], dict[str, int]]:
         store = await TensorStore.open(url)
         try:
             await store.put([("big", tensors[0]), ("small", tensors[1])])
@@ -443,14 +443,14 @@ def test_round_trip_on_the_runtime_loop(redis_server: RedisServer, runtime: Runt
             await store.delete(["big", "small"])
             backend = store.backend
             assert isinstance(backend, RedisBackend)
-            return got, backend.connection_counts()
+            return got, backend.counters()
         finally:
             await store.close()
 
-    got, (_, in_use) = runtime.run(scenario(), timeout=30)
+    got, held = runtime.run(scenario(), timeout=30)
     assert got[0] is not None and torch.equal(got[0], tensors[0])
     assert got[1] is not None and torch.equal(got[1], tensors[1])
-    assert got[2] is None and in_use == 0
+    assert got[2] is None and held["in_use"] == 0
     assert runtime.uses_uvloop
 
 
@@ -471,7 +471,7 @@ async def test_writers_taking_turns_leave_one_key(
         (got,) = await one.get(["k"])
         assert got is not None and b"".join(got) == last
         assert await one.delete(["k"]) == 1 and await raw.keys(f"turns-{fast_read}:*") == []
-        assert one.connection_counts()[1] == 0
+        assert one.counters()["in_use"] == 0
     finally:
         await one.close()
         await two.close()
@@ -487,7 +487,8 @@ async def test_chunked_write_over_a_large_foreign_value(
         value = os.urandom(5000)
         for _ in range(2):
             await backend.put([("k", value)])
-        assert backend._reader is not None and backend._reader.counts() == (1, 0)  # one, kept: not torn down
+        assert backend._reader is not None  # one connection, kept: not torn down
+        assert backend._reader.counters() == {"connected": 1, "in_use": 0}
         (got,) = await backend.get(["k"])
         assert got is not None and b"".join(got) == value
     finally:

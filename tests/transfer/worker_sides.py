@@ -106,7 +106,7 @@ def kv_round_trip(where: str) -> None:
         for n in layers:
             assert torch.equal(caches[n][:, 40:44], saved[n]), f"{n}: not the saved bytes"
         worker.shutdown()
-        assert not any(worker.counts().values()), worker.counts()
+        assert not any(worker.counters().values()), worker.counters()
         copier = worker.saver.copy_thread  # CPU: the snapshots ran there; shutdown joined it
         assert (copier is not None) == (where == "cpu") and (copier is None or not copier.alive)
     finally:

@@ -320,17 +320,17 @@ def bench_memory(rt: Runtime, outstanding: int) -> dict[str, Any]:
             for i in range(outstanding):
                 client.submit(f"m{i}", keys[i])
             deadline = time.monotonic() + 30
-            while client.counts()["inflight"] < outstanding and time.monotonic() < deadline:
+            while client.counters()["inflight"] < outstanding and time.monotonic() < deadline:
                 time.sleep(0.01)
             held = tracemalloc.get_traced_memory()[0] - base
             for i in range(outstanding):
                 client.discard(f"m{i}")
-            while client.counts()["inflight"] and time.monotonic() < deadline:
+            while client.counters()["inflight"] and time.monotonic() < deadline:
                 time.sleep(0.01)
             gc.collect()
             left = tracemalloc.get_traced_memory()[0] - base
             tracemalloc.stop()
-            counts = client.counts()
+            counts = client.counters()
         finally:
             client.close()
     return {

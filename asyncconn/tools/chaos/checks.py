@@ -72,41 +72,42 @@ def check_embeddings(sim: Any, request_id: str, rows: dict[str, int], hidden: in
 
 
 def connector_leaks(sim: Any, settle: float = 5.0) -> list[str]:
-    """The simulator's leak check plus every connector-side count (scheduler and each worker) at zero.
+    """The simulator's leak check plus every connector side's ``counters()`` (scheduler, workers) at zero.
 
     ``settle``: a discarded lookup's or a cancelled load's store call runs to its end on the loop; give
     those up to this long to hand their state back before calling it a leak.
     """
     problems = [f"engine: {p}" for p in sim.leak_check()]
     deadline = time.monotonic() + settle
-    sources: list[tuple[str, Any, str]] = []
+    sources: list[tuple[str, Any]] = []
     ec = getattr(sim.scheduler, "ec_connector", None)
     if ec is not None:
-        sources.append(("EC scheduler", ec.scheduler_side, "counters"))
-        sources += [(f"EC worker {w.rank}", w.ec_connector.worker_side, "counters") for w in sim.workers]
+        sources.append(("EC scheduler", ec.scheduler_side))
+        sources += [(f"EC worker {w.rank}", w.ec_connector.worker_side) for w in sim.workers]
     kv = getattr(sim.scheduler, "connector", None)
     if kv is not None:
-        sources.append(("KV scheduler", kv.scheduler_side, "counts"))
-        sources += [(f"KV worker {w.rank}", w.kv_connector.worker_side, "counts") for w in sim.workers]
-    for name, side, method in sources:
-        held = _held(side, method)
+        sources.append(("KV scheduler", kv.scheduler_side))
+        sources += [(f"KV worker {w.rank}", w.kv_connector.worker_side) for w in sim.workers]
+    for name, side in sources:
+        held = _held(side)
         while held and time.monotonic() < deadline:
             poll = getattr(side, "poll", None)
             if poll is not None:
                 poll()
             time.sleep(0.01)
-            held = _held(side, method)
+            held = _held(side)
         problems += [f"{name}: {k}={v}" for k, v in held.items()]
     return problems
 
 
-#: Counts that are bookkeeping, not held resources: "pushing" (an E scheduler's saves it may still report)
+#: Counters that are bookkeeping, not held resources: "pushing" (an E scheduler's saves it may still report)
 #: and "pending_drops" (drop orders for items no worker holds, delivered with the next model step).
 _NOT_HELD = frozenset({"pushing", "pending_drops"})
 
 
-def _held(side: Any, method: str) -> dict[str, int]:
-    return {k: v for k, v in getattr(side, method)().items() if v and k not in _NOT_HELD}
+def _held(side: Any) -> dict[str, int]:
+    """``side.counters()`` (what every connector side holds now) without the zeros and the bookkeeping."""
+    return {k: v for k, v in side.counters().items() if v and k not in _NOT_HELD}
 
 
 class ProcessCensus:

@@ -109,7 +109,7 @@ class ChaosReport:
     embedding_rows_checked: int = 0
     pd_encoder_runs: int = 0
     kv_blocks_failed_recomputed: int = 0
-    ec_counts: Counter[str] = field(default_factory=Counter)
+    ec_stats: Counter[str] = field(default_factory=Counter)
     recoveries: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
@@ -506,10 +506,10 @@ def _final_figures(run: _Run, engines: dict[str, Any]) -> None:
     report.step_p99_ms = round(percentile(run.step_ms, 0.99), 3)
     for name, sim in engines.items():
         if name != "E":
-            report.ec_counts.update(
-                {k: int(v) for k, v in sim.scheduler.ec_connector.scheduler_side.counts.items()}
+            report.ec_stats.update(
+                {k: int(v) for k, v in sim.scheduler.ec_connector.scheduler_side.stats().items()}
             )
-    ec = report.ec_counts
+    ec = report.ec_stats
     report.recoveries = {
         "faults healed, service resumed": sum(report.faults_healed.values()),
         "KV blocks that failed to load, recomputed": report.kv_blocks_failed_recomputed,

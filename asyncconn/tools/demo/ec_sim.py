@@ -105,12 +105,12 @@ def run_ec_demo(
                 value = stored.get(prefix + item.identifier)
                 if value is None or not torch.equal(used[item.identifier], value):
                     used_ok = False
-        pd_counts = dict(pd.scheduler.ec_connector.scheduler_side.counts)
+        pd_stats = dict(pd.scheduler.ec_connector.scheduler_side.stats())
         saver = e.workers[0].ec_connector.worker_side.saver
-        loaded_bytes = pd_counts.get("loaded_bytes", 0)
+        loaded_bytes = pd_stats.get("loaded_bytes", 0)
         saved_bytes = saver.saved_bytes if saver is not None else 0
         distinct = {item.identifier for items in plan.values() for item in items}
-        released = pd_counts.get("encode_stalled", 0) + pd_counts.get("encode_budget", 0)
+        released = pd_stats.get("encode_stalled", 0) + pd_stats.get("encode_budget", 0)
         figures: dict[str, Any] = {
             "requests": requests,
             "distinct images": len(distinct),
@@ -122,11 +122,11 @@ def run_ec_demo(
             "PD deferral steps": sum(
                 1 for r in pd.steps if any(w in plan for w in r.waiting) and not r.num_scheduled_tokens
             ),
-            "PD deferrals (ensure_cache_available -> False)": pd_counts.get("deferrals", 0),
-            "PD prefetch hits (admitted after prefetch)": pd_counts.get("admit_prefetched", 0),
+            "PD deferrals (ensure_cache_available -> False)": pd_stats.get("deferrals", 0),
+            "PD prefetch hits (admitted after prefetch)": pd_stats.get("admit_prefetched", 0),
             "PD items sent to the encoder (stalled / budget)": released,
             "PD encoder runs": len(pd.encoder_runs()),
-            "PD waits for items E announced": pd_counts.get("arrivals_awaited", 0),
+            "PD waits for items E announced": pd_stats.get("arrivals_awaited", 0),
             "PD workers": pd_workers,
             "bytes saved by E": saved_bytes,
             "bytes loaded by PD (all workers)": loaded_bytes,
@@ -139,7 +139,7 @@ def run_ec_demo(
             "every embedding PD used equals what E stored": used_ok,
             "PD's encoder ran for a stored image only on a stalled engine's release": len(pd.encoder_runs())
             <= released,
-            "PD loaded most items (prefetch hits > encoder runs)": pd_counts.get("admit_prefetched", 0)
+            "PD loaded most items (prefetch hits > encoder runs)": pd_stats.get("admit_prefetched", 0)
             > len(pd.encoder_runs()),
             "every PD request finished": all(pd.finish_reasons.get(r) == "length" for r in plan),
             "E handed every request over with ec_transfer_params": all(delayed) and len(delayed) == requests,

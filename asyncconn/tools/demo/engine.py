@@ -163,8 +163,8 @@ def kv_part(backend_url: str, workdir: Path) -> dict[str, Any]:
             worker = probe.kv_worker_connector()
             if worker is not None:
                 side = worker.worker_side
-                out["idle"] = _idle(side.counts()) and _idle(
-                    probe.kv_scheduler_connector().scheduler_side.counts()
+                out["idle"] = _idle(side.counters()) and _idle(
+                    probe.kv_scheduler_connector().scheduler_side.counters()
                 )
                 out["saved"] = side.saver.saved
                 out["loaded"] = side.loader.loaded

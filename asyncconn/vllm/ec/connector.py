@@ -11,8 +11,9 @@ vLLM builds one instance per role: the scheduler process gets a scheduler-side o
 worker-side one. Each builds exactly one of :class:`~asyncconn.vllm.ec.scheduler.ECSchedulerSide` or
 :class:`~asyncconn.vllm.ec.worker.ECWorkerSide` and delegates; this module only adapts types and roles.
 Settings come from ``ec_connector_extra_config`` (:class:`~asyncconn.config.Settings`): a bad key fails at
-engine start-up, naming it. Counters (lookups, deferrals, prefetches, installs, loads, saves, failures) are
-exported through vLLM's EC connector stats (``get_ec_connector_stats`` / ``build_ec_connector_stats``).
+engine start-up, naming it. Event counts (lookups, deferrals, prefetches, installs, loads, saves,
+failures) are exported through vLLM's EC connector stats (``get_ec_connector_stats`` /
+``build_ec_connector_stats``).
 """
 
 from __future__ import annotations
@@ -137,15 +138,15 @@ class AsyncConnECConnector(ECConnectorBase):  # type: ignore[misc]
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     def get_ec_connector_stats(self) -> ECConnectorStats | None:
-        """Counters since the previous call: scheduler-side ones plus what the workers reported, and the
-        lookup client's (timeouts, errors)."""
+        """Event counts since the previous call: the scheduler side's ``stats()`` (the workers' included)
+        and the lookup client's (timeouts, errors)."""
         if self._scheduler is None:
             return None
         # Called by vLLM on every step: compare a few ints, build nothing unless something changed.
         reported, delta = self._reported, {}
         lookup = self._scheduler.lookup.metrics
         current = [
-            *self._scheduler.counts.items(),
+            *self._scheduler.stats().items(),
             ("lookup_timeouts", lookup.timeouts),
             ("lookup_errors", lookup.errors),
             ("lookup_rejected", lookup.rejected),

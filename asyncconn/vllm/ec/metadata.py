@@ -51,7 +51,7 @@ class ECStepMetadata:
 
 @dataclass(slots=True)
 class ECWorkerReport:
-    """Workers -> scheduler, every step: who reported, what became ready where, what failed, counters.
+    """Workers -> scheduler, every step: who reported, what became ready where, what failed, event counts.
 
     ``workers`` is always set (a heartbeat), so the scheduler learns how many workers must report an item
     ready before a request that needs it is admitted. ``empty_step_hooks`` is True once the worker's EC
@@ -61,7 +61,7 @@ class ECWorkerReport:
     workers: frozenset[str] = frozenset()
     ready: dict[str, frozenset[str]] = field(default_factory=dict)  # mm hash -> worker ids that staged it
     failed: dict[str, str] = field(default_factory=dict)  # mm hash -> failure reason (miss, corrupt, ...)
-    counts: dict[str, int] = field(default_factory=dict)  # worker counters since the previous report
+    stats: dict[str, int] = field(default_factory=dict)  # worker events counted since the previous report
     empty_step_hooks: bool = False
 
     def aggregate(self, other: ECWorkerReport) -> ECWorkerReport:
@@ -69,13 +69,13 @@ class ECWorkerReport:
         ready = dict(self.ready)
         for mm_hash, ids in other.ready.items():
             ready[mm_hash] = ready.get(mm_hash, frozenset()) | ids
-        counts = dict(self.counts)
-        for name, value in other.counts.items():
-            counts[name] = counts.get(name, 0) + value
+        stats = dict(self.stats)
+        for name, value in other.stats.items():
+            stats[name] = stats.get(name, 0) + value
         return ECWorkerReport(
             workers=self.workers | other.workers,
             ready=ready,
             failed={**self.failed, **other.failed},
-            counts=counts,
+            stats=stats,
             empty_step_hooks=self.empty_step_hooks or other.empty_step_hooks,
         )

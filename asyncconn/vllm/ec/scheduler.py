@@ -145,7 +145,7 @@ class ECSchedulerSide:
         self._last_step_tokens = 0
         self._empty_step_hooks = False  # a worker reported EC hooks on an empty step (V2 runner)
         self._released = False  # a stalled engine released one request during this schedule() pass
-        self.counts: collections.Counter[str] = collections.Counter()
+        self._stats: collections.Counter[str] = collections.Counter()  # events since start: stats()
 
     # -- vLLM: admission ------------------------------------------------------------------------------
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
@@ -180,7 +180,7 @@ class ECSchedulerSide:
             if st is ItemState.ARRIVING:
                 if now >= item.deadline:
                     item.state = ItemState.MISS
-                    self.counts["arrival_timeouts"] += 1
+                    self._stats["arrival_timeouts"] += 1
                     continue
                 if now >= item.next_poll:
                     due.append(mm_hash)
@@ -196,7 +196,7 @@ class ECSchedulerSide:
         if due and state.lookup_keys is None:
             self._submit(rid, state, due, now)
         if waiting:
-            self.counts["deferrals"] += 1
+            self._stats["deferrals"] += 1
             return False
         return True
 
@@ -216,7 +216,7 @@ class ECSchedulerSide:
             if self.producer:  # encoded here: the worker saves it; confirm it lands before going idle
                 self._expect_push(mm_hash)
             return
-        self.counts["admit_prefetched"] += 1
+        self._stats["admit_prefetched"] += 1
         self._install.append(item.ref)
         self._staged.discard(mm_hash)
         item.state, item.ordered = ItemState.INSTALLED, False  # the install takes the staged copy
@@ -238,7 +238,7 @@ class ECSchedulerSide:
                     item.state, item.ordered = ItemState.ORDERED, True
                     self._staged.add(item.ref.mm_hash)
                     meta.prefetch.append(item.ref)
-            self.counts["prefetch_orders"] += len(meta.prefetch)
+            self._stats["prefetch_orders"] += len(meta.prefetch)
         self._expire_pushes(self._clock())
         return meta
 
@@ -252,7 +252,7 @@ class ECSchedulerSide:
         if report.empty_step_hooks and not self._empty_step_hooks:
             self._empty_step_hooks = True
             log.debug("EC workers run on empty steps: prefetches progress on an idle engine")
-        self.counts.update(report.counts)
+        self._stats.update(report.stats)
         needed = self.expected_workers
         for mm_hash, ids in report.ready.items():
             item = self._items.get(mm_hash)
@@ -262,13 +262,13 @@ class ECSchedulerSide:
             if len(item.ready_on) >= needed:
                 item.state = ItemState.READY
         for mm_hash, reason in report.failed.items():
-            self.counts[f"load_failed_{reason}"] += 1
+            self._stats[f"load_failed_{reason}"] += 1
             item = self._items.get(mm_hash)
             if item is None:
                 continue
             if item.state is ItemState.INSTALLED:
                 self._unavailable |= item.requests
-                self.counts["unavailable"] += len(item.requests)
+                self._stats["unavailable"] += len(item.requests)
             elif item.ordered:
                 self._staged.discard(mm_hash)
                 self._drop.append(mm_hash)  # free the copies other workers staged
@@ -332,7 +332,7 @@ class ECSchedulerSide:
                 push.outstanding = False
                 if answer and answer[0]:
                     del self._pushing[mm_hash]
-                    self.counts["saves_confirmed"] += 1
+                    self._stats["saves_confirmed"] += 1
                     continue
                 push.next_poll = now + push.poll_interval
                 push.poll_interval = min(push.poll_interval * 2, ARRIVAL_POLL_MAX_S)
@@ -347,6 +347,11 @@ class ECSchedulerSide:
         return False
 
     # -- bookkeeping ------------------------------------------------------------------------------------
+    def stats(self) -> collections.Counter[str]:
+        """Events counted since start (this side's and the workers' reports): lookups, hits, deferrals,
+        prefetches, loads, saves, failures. A copy; a name never counted reads 0."""
+        return collections.Counter(self._stats)
+
     def counters(self) -> dict[str, int]:
         """What this object holds right now (all 0 once every request is gone and saves are confirmed)."""
         return {
@@ -357,7 +362,7 @@ class ECSchedulerSide:
             "pending_drops": len(self._drop),
             "pushing": len(self._pushing),
             "unavailable": len(self._unavailable),
-            "lookups": self.lookup.counts()["entries"],
+            "lookups": self.lookup.counters()["entries"],
         }
 
     def item_state(self, mm_hash: str) -> ItemState | None:
@@ -395,7 +400,7 @@ class ECSchedulerSide:
         state.allocated.clear()
         for mm_hash, _ in state.items:
             _ask_again(self._items[mm_hash])
-        self.counts["readmissions"] += 1
+        self._stats["readmissions"] += 1
 
     def _stalled(self) -> bool:
         """No worker will run before a request is admitted (previous step empty, V1 runner or not known
@@ -406,7 +411,7 @@ class ECSchedulerSide:
         keys = tuple(dict.fromkeys(keys))
         self.lookup.submit(rid, keys)
         state.lookup_keys = keys
-        self.counts["lookups"] += 1
+        self._stats["lookups"] += 1
         for mm_hash in keys:
             item = self._items[mm_hash]
             if item.state is ItemState.NEW:
@@ -426,18 +431,18 @@ class ECSchedulerSide:
                 continue
             item.owner = None
             if present:
-                self.counts["lookup_hits"] += 1
+                self._stats["lookup_hits"] += 1
                 item.state = ItemState.FOUND
             elif item.state is ItemState.ARRIVING:
                 pass  # still on its way: looked at again after ARRIVAL_POLL_S, until the deadline
             elif mm_hash in state.announced:
-                self.counts["arrivals_awaited"] += 1
+                self._stats["arrivals_awaited"] += 1
                 item.state = ItemState.ARRIVING
                 item.deadline = now + self.settings.arrival_timeout
                 item.next_poll = now + ARRIVAL_POLL_S
                 item.poll_interval = 2 * ARRIVAL_POLL_S
             else:
-                self.counts["lookup_misses"] += 1
+                self._stats["lookup_misses"] += 1
                 item.state = ItemState.MISS
 
     def _to_encoder(self, item: _Item, reason: str) -> None:
@@ -448,14 +453,14 @@ class ECSchedulerSide:
             self._drop.append(mm_hash)
             item.ordered = False
         item.state, item.owner, item.ready_on = ItemState.MISS, None, set()
-        self.counts[reason] += 1
+        self._stats[reason] += 1
 
     def _release(self, item: _Item) -> None:
         mm_hash = item.ref.mm_hash
         if mm_hash in self._staged:
             self._staged.discard(mm_hash)
             self._drop.append(mm_hash)
-            self.counts["prefetch_abandoned"] += 1
+            self._stats["prefetch_abandoned"] += 1
         elif item.ordered:
             self._drop.append(mm_hash)  # ordered, never installed: free any copy
         del self._items[mm_hash]
@@ -473,7 +478,7 @@ class ECSchedulerSide:
             del self._pushing[mm_hash]
             if push.outstanding:
                 self.lookup.discard(_PUSH_PREFIX + mm_hash)
-            self.counts["saves_unconfirmed"] += 1
+            self._stats["saves_unconfirmed"] += 1
 
 
 def _ask_again(item: _Item) -> None:

@@ -95,7 +95,7 @@ class ECWorkerSide:
         self._ready: set[str] = set()
         self._failed: dict[str, str] = {}
         self._empty_step_hooks = False  # this worker's EC hooks ran on a step with no scheduled tokens
-        self.counts: collections.Counter[str] = collections.Counter()
+        self._stats: collections.Counter[str] = collections.Counter()  # events since the last report
         self._closed = False
 
     def _open_store(self) -> TensorStore:
@@ -131,7 +131,7 @@ class ECWorkerSide:
                 self._loading[key] = ref.num_embeds
         if submits:
             self.loader.submit_many(submits)
-            self.counts["prefetches"] += len(submits)
+            self._stats["prefetches"] += len(submits)
         self._collect()
         for ref in meta.install:
             if ref.mm_hash in encoder_cache:
@@ -139,13 +139,13 @@ class ECWorkerSide:
                 continue
             tensor = self._staged.pop(ref.mm_hash, None)
             if tensor is not None:
-                self.counts["installs_staged"] += 1
+                self._stats["installs_staged"] += 1
             else:
                 log.warning("EC item %s: install ordered but not staged here; loading it now", ref.mm_hash)
                 tensor = self._load_now(ref)
                 if tensor is None:
                     continue
-                self.counts["installs_sync"] += 1
+                self._stats["installs_sync"] += 1
             encoder_cache[ref.mm_hash] = tensor  # the staged tensor itself: no copy on the forward path
 
     def poll(self) -> None:
@@ -175,8 +175,8 @@ class ECWorkerSide:
                 self._row = (tuple(tensor.shape[1:]), tensor.dtype)
             self._staged[mm_hash] = tensor
             self._ready.add(mm_hash)
-            self.counts["loaded"] += 1
-            self.counts["loaded_bytes"] += tensor.numel() * tensor.element_size()
+            self._stats["loaded"] += 1
+            self._stats["loaded_bytes"] += tensor.numel() * tensor.element_size()
             return mm_hash, tensor
         reason = result.failure.value if result.failure is not None else "corrupt"
         if result.ok:
@@ -187,7 +187,7 @@ class ECWorkerSide:
                 rows,
             )
         self._failed[mm_hash] = reason
-        self.counts[f"load_failed_{reason}"] += 1
+        self._stats[f"load_failed_{reason}"] += 1
         return mm_hash, None
 
     def _load_now(self, ref: ItemRef) -> torch.Tensor | None:
@@ -208,7 +208,7 @@ class ECWorkerSide:
                 self.loader.cancel(key)
                 self._loading.pop(key, None)
                 self._failed[ref.mm_hash] = "timeout"
-                self.counts["load_failed_timeout"] += 1
+                self._stats["load_failed_timeout"] += 1
                 return None
             time.sleep(_SYNC_POLL_S)
 
@@ -217,9 +217,9 @@ class ECWorkerSide:
         if self._loading.pop(key, None) is not None:
             assert self.loader is not None
             self.loader.cancel(key)
-            self.counts["prefetch_dropped"] += 1
+            self._stats["prefetch_dropped"] += 1
         if self._staged.pop(mm_hash, None) is not None:
-            self.counts["prefetch_dropped"] += 1
+            self._stats["prefetch_dropped"] += 1
         self._ready.discard(mm_hash)
         self._failed.pop(mm_hash, None)
 
@@ -232,16 +232,16 @@ class ECWorkerSide:
         if tensor is None:
             return
         if self.saver.submit(mm_hash, self.key(mm_hash), tensor):
-            self.counts["saves"] += 1
-            self.counts["saved_bytes"] += tensor.numel() * tensor.element_size()
+            self._stats["saves"] += 1
+            self._stats["saved_bytes"] += tensor.numel() * tensor.element_size()
         else:
-            self.counts["saves_skipped"] += 1
+            self._stats["saves_skipped"] += 1
 
     def end_step(self) -> None:
         """``get_finished``: hand staged saves to the loop, count finished ones, collect prefetches."""
         if self.saver is not None:
             self.saver.flush()
-            self.counts["saves_done"] += len(self.saver.poll_finished())
+            self._stats["saves_done"] += len(self.saver.poll_finished())
         self.poll()
 
     def has_pending_saves(self) -> bool:
@@ -249,17 +249,17 @@ class ECWorkerSide:
 
     # -- reporting ------------------------------------------------------------------------------------
     def report(self) -> ECWorkerReport:
-        """This step's report; readiness, failures and counters are handed over once."""
+        """This step's report; readiness, failures and event counts are handed over once."""
         me = frozenset({self.worker_id})
         report = ECWorkerReport(
             workers=me,
             ready={mm_hash: me for mm_hash in self._ready},
             failed=self._failed,
-            counts={k: v for k, v in self.counts.items() if v},
+            stats={k: v for k, v in self._stats.items() if v},
             empty_step_hooks=self._empty_step_hooks,
         )
         self._ready, self._failed = set(), {}
-        self.counts = collections.Counter()
+        self._stats = collections.Counter()
         return report
 
     def counters(self) -> dict[str, int]:

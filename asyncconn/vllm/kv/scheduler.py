@@ -244,7 +244,7 @@ class KVSchedulerSide:
                 stats.merge_histogram("lookup_latency", buckets)
         return None if stats.is_empty() else stats
 
-    def counts(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         """Sizes of every per-request structure (tests count them back to zero)."""
         out = {
             "requests": len(self._reqs),
@@ -253,7 +253,7 @@ class KVSchedulerSide:
             "finished_via_recv": len(self._via_recv),
         }
         if self.lookup is not None:
-            out.update({f"lookup_{k}": v for k, v in self.lookup.counts().items()})
+            out.update({f"lookup_{k}": v for k, v in self.lookup.counters().items()})
         return out
 
     def shutdown(self) -> None:

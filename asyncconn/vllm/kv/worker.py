@@ -459,7 +459,7 @@ class KVWorkerSide:
         self._saver_base = (saved, failed)
         return None if stats.is_empty() else stats
 
-    def counts(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         """Everything this worker holds per request or per transfer; all 0 when idle."""
         out = {
             "fetches": len(self._fetches),

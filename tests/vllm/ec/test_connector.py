@@ -55,9 +55,9 @@ def workers(sim: EngineSim) -> list[Any]:
     return [w.ec_connector.worker_side for w in sim.workers]
 
 
-def counts(sim: EngineSim) -> dict[str, int]:
-    """Everything the scheduler-side object has counted (its own and the workers' reports)."""
-    return dict(sched(sim).counts)
+def stats(sim: EngineSim) -> dict[str, int]:
+    """Every event the scheduler side has counted (its own and the workers' reports)."""
+    return dict(sched(sim).stats())
 
 
 def assert_no_leaks(sim: EngineSim) -> None:
@@ -215,7 +215,7 @@ def test_deferral_then_admission_with_prefetch_on_two_workers(make_sim: Any) -> 
     assert pd.encoder_runs() == []
     assert pd.finish_reasons["r1"] == "length"
     check_embeddings(pd, "r1", [img])
-    c = counts(pd)
+    c = stats(pd)
     assert c["deferrals"] >= 1
     assert c["admit_prefetched"] == 1 and c.get("encode_stalled", 0) == 0
     assert c["prefetches"] == 2 and c["installs_staged"] == 2  # one per worker, summed by aggregate
@@ -236,7 +236,7 @@ def test_stalled_engine_encodes_rather_than_loading_at_install(make_sim: Any) ->
     run(pd, pause=0.001)
     assert pd.encoder_runs() == [("r1", "img-idle")]
     check_embeddings(pd, "r1", [img])
-    c = counts(pd)
+    c = stats(pd)
     assert c["lookup_hits"] == 1 and c["encode_stalled"] == 1
     assert installs == [] and "installs_sync" not in c
     assert_no_leaks(pd)
@@ -254,7 +254,7 @@ def test_stalled_engine_releases_one_request_and_prefetches_for_the_others(make_
     assert pd.encoder_runs() == [("r0", "img-queue-0")]  # released: its step runs the workers
     for i, img in enumerate(imgs):
         check_embeddings(pd, f"r{i}", [img])
-    assert counts(pd)["admit_prefetched"] == 2 and sorted(installs) == ["img-queue-1", "img-queue-2"]
+    assert stats(pd)["admit_prefetched"] == 2 and sorted(installs) == ["img-queue-1", "img-queue-2"]
     assert_no_leaks(pd)
 
 
@@ -269,7 +269,7 @@ def test_idle_engine_prefetches_when_workers_run_on_empty_steps(make_sim: Any) -
     run(pd, pause=0.001)
     assert pd.encoder_runs() == []
     check_embeddings(pd, "r1", [img])
-    c = counts(pd)
+    c = stats(pd)
     assert c["admit_prefetched"] == 1 and c["installs_staged"] == 2 and c.get("encode_stalled", 0) == 0
     assert installs == ["img-v2"]
     assert_no_leaks(pd)
@@ -281,7 +281,7 @@ def test_item_not_in_store_is_encoded(make_sim: Any) -> None:
     pd.add_request("r1", prompt(32), max_tokens=2, mm_items=[img])
     run(pd, pause=0.001)
     assert pd.encoder_runs() == [("r1", "img-absent")]
-    assert counts(pd)["lookup_misses"] == 1
+    assert stats(pd)["lookup_misses"] == 1
     assert_no_leaks(pd)
 
 
@@ -310,7 +310,7 @@ def test_two_requests_sharing_an_image_prefetch_it_once(make_sim: Any) -> None:
     assert pd.encoder_runs() == []
     check_embeddings(pd, "a", [img])
     check_embeddings(pd, "b", [img])
-    assert counts(pd)["prefetches"] == 1
+    assert stats(pd)["prefetches"] == 1
     assert_no_leaks(pd)
 
 
@@ -328,7 +328,7 @@ def test_abort_while_the_lookup_is_pending(make_sim: Any) -> None:
     assert sched(pd).item_state("img-abort-lookup") is ItemState.LOOKUP
     assert pd.abort("r1")
     run(pd)
-    assert sched(pd).lookup.counts()["entries"] == 0
+    assert sched(pd).lookup.counters()["entries"] == 0
     assert pd.encoder_runs() == []
     assert_no_leaks(pd)
 
@@ -350,7 +350,7 @@ def test_abort_while_the_prefetch_is_in_flight(make_sim: Any) -> None:
     assert workers(pd)[0].counters()["loading"] == 1
     assert pd.abort("r1")
     run(pd)  # the busy request keeps stepping: the drop reaches the worker, which cancels the load
-    c = counts(pd)
+    c = stats(pd)
     assert c["prefetch_abandoned"] == 1 and c["prefetch_dropped"] == 1
     assert_no_leaks(pd)
 
@@ -388,7 +388,7 @@ def test_preempted_request_looks_its_items_up_again(make_sim: Any, mode: str) ->
     for i, img in enumerate(imgs):
         assert pd.finish_reasons[f"p{i}"] == "length"
         check_embeddings(pd, f"p{i}", [img])
-    c = counts(pd)
+    c = stats(pd)
     assert c["readmissions"] >= 1
     assert set(installs) <= {img.identifier for img in imgs}
     assert_no_leaks(pd)
@@ -406,7 +406,7 @@ def test_announced_item_is_awaited_not_recomputed(make_sim: Any, mode: str) -> N
     pd.scheduler.requests["r1"].ec_transfer_params = {SAVING_PARAM: ["img-race"]}  # as the proxy passes it
     if mode == "stalled":  # waiting could only end in an encoder run: encode now
         run(pd, pause=0.001)
-        assert pd.encoder_runs() == [("r1", "img-race")] and counts(pd)["encode_stalled"] == 1
+        assert pd.encoder_runs() == [("r1", "img-race")] and stats(pd)["encode_stalled"] == 1
         check_embeddings(pd, "r1", [img])
         assert_no_leaks(pd)
         return
@@ -419,7 +419,7 @@ def test_announced_item_is_awaited_not_recomputed(make_sim: Any, mode: str) -> N
     run(pd, pause=0.001)
     assert pd.encoder_runs() == []
     check_embeddings(pd, "r1", [img])
-    assert counts(pd)["arrivals_awaited"] == 1
+    assert stats(pd)["arrivals_awaited"] == 1
     assert_no_leaks(pd)
 
 
@@ -430,7 +430,7 @@ def test_announced_item_that_never_arrives_is_encoded_after_the_timeout(make_sim
     pd.scheduler.requests["r1"].ec_transfer_params = {SAVING_PARAM: ["img-lost"]}
     run(pd, max_steps=100_000, pause=0.001)
     assert pd.encoder_runs() == [("r1", "img-lost")]
-    assert counts(pd)["arrival_timeouts"] == 1
+    assert stats(pd)["arrival_timeouts"] == 1
     assert_no_leaks(pd)
 
 
@@ -495,7 +495,7 @@ def test_corrupt_value_is_recomputed_never_crashes(make_sim: Any, mode: str, whe
     assert pd.encoder_runs() == [("r1", "img-corrupt")]
     check_embeddings(pd, "r1", [img])
     assert installs == []
-    c = counts(pd)
+    c = stats(pd)
     if mode == "stalled":
         assert c["encode_stalled"] == 1  # never even loaded
     else:
@@ -516,7 +516,7 @@ def test_store_killed_between_lookup_and_admission(make_sim: Any, fresh_redis: A
     after_lookup(pd, fresh_redis.kill)
     pd.add_request("r1", prompt(40), max_tokens=2, mm_items=[img])
     run(pd, max_steps=100_000, pause=0.001)
-    assert counts(pd)["lookup_hits"] == 1
+    assert stats(pd)["lookup_hits"] == 1
     assert pd.finish_reasons["r1"] == "length"
     assert pd.encoder_runs() == [("r1", "img-killed")]
     check_embeddings(pd, "r1", [img])
@@ -581,7 +581,7 @@ def test_producer_saves_once_and_never_delays_the_free(make_sim: Any) -> None:
     worker = workers(e)[0]
     # The scheduler saw the item in the store; the worker counts the finished put on its next poll.
     assert settled_saver(worker, lambda saver: saver.saved == 1)
-    assert sched(e).counts["saves_confirmed"] == 1
+    assert sched(e).stats()["saves_confirmed"] == 1
     e2 = make_sim(ec=spec("ec_producer", url))  # a second E: the store already has it
     e2.add_request("c", prompt(32), mm_items=[img])
     run(e2, pause=0.001)
@@ -655,7 +655,7 @@ def test_example_configs_are_valid_for_vllm_and_asyncconn(name: str) -> None:
 
     from asyncconn.config import Settings
 
-    raw = json.loads((Path(__file__).resolve().parents[2] / "examples" / name).read_text())
+    raw = json.loads((Path(__file__).resolve().parents[3] / "examples" / name).read_text())
     config = ECTransferConfig(**raw)
     assert config.ec_connector == CLASS and config.ec_connector_module_path == MODULE
     assert config.is_ec_producer == (raw["ec_role"] == "ec_producer")

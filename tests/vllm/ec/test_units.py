@@ -73,7 +73,7 @@ def test_prefetch_then_install_hands_over_the_staged_tensor(
     worker.start_load_caches(cache, ECStepMetadata(install=[ItemRef("img-a", 24)]))
     assert cache["img-a"] is staged  # no copy on the forward path
     assert torch.equal(cache["img-a"], emb)
-    assert worker.report().counts["installs_staged"] == 1
+    assert worker.report().stats["installs_staged"] == 1
     assert all(v == 0 for v in worker.counters().values())
     worker.close()
 
@@ -99,7 +99,7 @@ def test_install_without_prefetch_loads_synchronously(runtime: Runtime, store: T
     cache: dict[str, torch.Tensor] = {}
     worker.start_load_caches(cache, ECStepMetadata(install=[ItemRef("img-s", 6)]))
     assert torch.equal(cache["img-s"], emb)
-    assert worker.report().counts["installs_sync"] == 1
+    assert worker.report().stats["installs_sync"] == 1
     assert all(v == 0 for v in worker.counters().values())
     worker.close()
 
@@ -153,7 +153,7 @@ def test_drop_frees_staged_and_in_flight_prefetches(runtime: Runtime, store: Ten
     assert slow.counters()["loading"] == 1
     for w in (worker, slow):
         w.start_load_caches(cache, ECStepMetadata(drop=["img-d1"]))
-        assert w.report().counts["prefetch_dropped"] == 1
+        assert w.report().stats["prefetch_dropped"] == 1
     deadline = time.monotonic() + 5
     while any(slow.counters().values()) and time.monotonic() < deadline:
         slow.poll()
@@ -200,7 +200,7 @@ def test_save_is_deferred_and_deduplicated(runtime: Runtime, store: TensorStore,
     while worker.has_pending_saves() and time.monotonic() < deadline:
         worker.end_step()
         time.sleep(0.001)
-    counts = worker.report().counts
+    counts = worker.report().stats
     assert counts["saves"] == 1 and counts["saves_skipped"] == 1 and counts["saves_done"] == 1
     (saved,) = runtime.run(store.get(["img-save"]), 5)
     assert saved is not None and torch.equal(saved, emb)
@@ -386,7 +386,7 @@ def test_stalled_engine_releases_one_request_per_step_to_the_encoder(
     assert s.item_state("img-s1") is ItemState.MISS and not s.has_cache_item("img-s1")
     assert s.ensure_cache_available(r2, 0) is False  # looked up
     assert s.ensure_cache_available(r2, 0) is False  # found, but one release per schedule() pass
-    assert s.counts["encode_stalled"] == 1
+    assert s.stats()["encode_stalled"] == 1
     s.update_state_after_alloc(r1, 0)  # vLLM planned the encoder for it
     assert s.build_connector_meta(step(2)).prefetch == [ItemRef("img-s2", 2)]  # the released step
     for r in (r1, r2):
@@ -405,7 +405,7 @@ def test_workers_on_empty_steps_get_orders_and_nothing_is_released(
     assert wait_answer(s, req) is False  # stalled-looking engine, but the workers run: wait
     meta = s.build_connector_meta(step(0))
     assert meta.prefetch == [ItemRef("img-v2", 2)] and meta.step_tokens == 0
-    assert s.ensure_cache_available(req, 0) is False and s.counts["encode_stalled"] == 0
+    assert s.ensure_cache_available(req, 0) is False and s.stats()["encode_stalled"] == 0
     s.request_finished(req)
     s.build_connector_meta(step(0))
     assert all(v == 0 for v in s.counters().values())
@@ -426,7 +426,7 @@ def test_preempted_request_looks_its_items_up_again(
     runtime.run(store.delete(["img-p1"]), 5)  # the store loses it while the request runs
     req.num_preemptions = 1  # vLLM preempted it: its encoder input was freed
     assert s.ensure_cache_available(req, 0) is False  # asked again, not trusted
-    assert s.counts["readmissions"] == 1
+    assert s.stats()["readmissions"] == 1
     assert wait_answer(s, req) is True and s.item_state("img-p1") is ItemState.MISS  # now a miss: encode
     assert not s.has_cache_item("img-p1")
     s.request_finished(req)
@@ -460,7 +460,7 @@ def test_staging_budget_full_sends_the_item_to_the_encoder_instead_of_waiting(
     wait_answer(s, r1)
     s.build_connector_meta(step(8))  # img-b1 ordered: the budget is full
     assert wait_answer(s, r2) is True and s.item_state("img-b2") is ItemState.MISS
-    assert not s.has_cache_item("img-b2") and s.counts["encode_budget"] == 1
+    assert not s.has_cache_item("img-b2") and s.stats()["encode_budget"] == 1
     for r in (r1, r2):
         s.request_finished(r)
     assert s.build_connector_meta(step(8)).drop == ["img-b1"]
@@ -480,7 +480,7 @@ def test_producer_reports_saving_items_and_confirms_them_in_the_store(
     deadline = time.monotonic() + 5
     while s.has_pending_push_work():
         assert time.monotonic() < deadline
-    assert s.counts["saves_confirmed"] == 1
+    assert s.stats()["saves_confirmed"] == 1
     aborted = request("e2", ("img-q", 0, 4), status="FINISHED_ABORTED")
     assert s.request_finished(aborted) == (False, None)
 
@@ -491,7 +491,7 @@ def test_unconfirmed_save_stops_holding_the_engine_after_the_deadline(make_sched
     deadline = time.monotonic() + 5
     while s.has_pending_push_work():
         assert time.monotonic() < deadline
-    assert s.counts["saves_unconfirmed"] == 1
+    assert s.stats()["saves_unconfirmed"] == 1
     assert all(v == 0 for v in s.counters().values())
 
 
@@ -503,7 +503,7 @@ def test_worker_reports_merge_per_worker() -> None:
     merged = a.aggregate(b)
     assert merged.workers == {"a", "b"}
     assert merged.ready == {"x": frozenset({"a", "b"}), "y": frozenset({"b"})}
-    assert merged.failed == {"z": "miss"} and merged.counts == {"loaded": 3}
+    assert merged.failed == {"z": "miss"} and merged.stats == {"loaded": 3}
     assert a.ready == {"x": frozenset({"a"})}  # never merged in place
 
 
@@ -520,16 +520,16 @@ def test_an_announced_item_that_never_lands_is_polled_with_backoff(runtime: Runt
         assert wait_answer(s, req) is False and s.item_state("img-never") is ItemState.ARRIVING
         while now[0] < 103.5 and s.item_state("img-never") is ItemState.ARRIVING:
             now[0] += 0.001  # a 1 ms engine step
-            asked, answered = s.counts["lookups"], lookup.metrics.completed
+            asked, answered = s.stats()["lookups"], lookup.metrics.completed
             admitted = s.ensure_cache_available(req, 0)
             assert admitted is (s.item_state("img-never") is ItemState.MISS)  # True only once it gave up
             deadline = time.monotonic() + 5  # a hang guard
-            while s.counts["lookups"] > asked and lookup.metrics.completed == answered:
+            while s.stats()["lookups"] > asked and lookup.metrics.completed == answered:
                 assert time.monotonic() < deadline
                 time.sleep(0.0005)  # each look is a real store call: let the loop answer it
         assert s.item_state("img-never") is ItemState.MISS  # gave up at the deadline: the encoder runs
-        assert s.counts["arrival_timeouts"] == 1
-        assert 10 <= s.counts["lookups"] <= 45, s.counts["lookups"]  # 3 s of 1 ms steps: ~35, never ~600
+        assert s.stats()["arrival_timeouts"] == 1
+        assert 10 <= s.stats()["lookups"] <= 45, s.stats()["lookups"]  # 3 s of 1 ms steps: ~35, never ~600
     finally:
         s.close()
 

@@ -125,7 +125,7 @@ def test_abort_during_load(make_sim: Any) -> None:
             break
         time.sleep(0.002)
     worker = sim.workers[0].kv_connector.worker_side
-    assert worker.counts()["fetches"] > 0  # the load is in flight (the store sleeps 150 ms)
+    assert worker.counters()["fetches"] > 0  # the load is in flight (the store sleeps 150 ms)
     assert sim.abort("b")
     assert "b" in sim.scheduler.requests  # blocks held: a load may still write them
     records = run_checked(sim)
@@ -459,7 +459,7 @@ def test_tp_abort_after_one_rank_reported_its_load(make_sim: Any) -> None:
     sim.add_request("b", tokens, max_tokens=2)
     for _ in range(500):
         sim.step()
-        if fast.counts()["req_loads"] == 0 and slow.counts()["req_loads"] == 1:
+        if fast.counters()["req_loads"] == 0 and slow.counters()["req_loads"] == 1:
             break
         time.sleep(0.002)
     assert _waiting_for_kv(sim, "b")  # rank 0 reported, the merged output has not

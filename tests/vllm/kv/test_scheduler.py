@@ -91,7 +91,7 @@ def test_deferred_until_answered_then_kept_until_allocation(h: Harness) -> None:
     assert h.side.build_connector_meta(_output(finished=frozenset({"r"}))).finished_via_recv == frozenset(
         {"r"}
     )
-    assert not any(h.side.counts().values())
+    assert not any(h.side.counters().values())
 
 
 def test_preempted_request_asks_the_store_anew(h: Harness) -> None:
@@ -105,7 +105,7 @@ def test_preempted_request_asks_the_store_anew(h: Harness) -> None:
     h.answer_all(1)  # the store changed meanwhile
     assert h.side.get_num_new_matched_tokens(request, 0) == (16, True)
     h.side.request_finished(request)
-    assert not any(h.side.counts().values())
+    assert not any(h.side.counters().values())
 
 
 def test_late_answer_of_an_aborted_lookup_is_never_served(h: Harness) -> None:
@@ -118,7 +118,7 @@ def test_late_answer_of_an_aborted_lookup_is_never_served(h: Harness) -> None:
     again = _request("a")  # the same id reused later is a new request
     assert h.side.get_num_new_matched_tokens(again, 0) == (None, False)
     h.side.request_finished(again)
-    wait_until(lambda: not any(h.side.counts().values()))
+    wait_until(lambda: not any(h.side.counters().values()))
 
 
 def test_nothing_asked_when_the_local_cache_covers_the_usable_prefix(h: Harness) -> None:
