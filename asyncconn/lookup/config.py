@@ -26,29 +26,31 @@ R = TypeVar("R")
 
 @dataclass(frozen=True, repr=False)
 class LookupConfig:
-    """Every lookup option (documented in docs/lookup.md)."""
+    """Every lookup option (documented in docs/lookup.md), named as the ``extra_config`` key it comes from."""
 
     backend_url: str | None = None
     lookup_server: str | None = None
-    timeout: float = DEFAULT_TIMEOUT
+    lookup_timeout: float = DEFAULT_TIMEOUT
     key_prefix: str = ""
-    max_pending: int = 100_000
+    lookup_max_pending: int = 100_000
     #: CURVE public key of the lookup server (Z85 text or a key/certificate file); None: no CURVE.
-    server_key: str | None = None
-    #: Direct lookups: bound on connecting to the store when the client starts (None: ``timeout``).
+    lookup_server_key: str | None = None
+    #: Direct lookups: bound on connecting to the store when the client starts (None: ``lookup_timeout``).
     connect_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not self.backend_url and not self.lookup_server:
             raise ConfigError("lookup: set backend_url (direct lookups) or lookup_server (a ZMQ endpoint)")
-        if self.timeout <= 0:
-            raise ConfigError(f"lookup: bad value {self.timeout!r} for 'lookup_timeout': must be > 0")
+        if self.lookup_timeout <= 0:
+            raise ConfigError(f"lookup: bad value {self.lookup_timeout!r} for 'lookup_timeout': must be > 0")
         if self.connect_timeout is not None and self.connect_timeout <= 0:
             raise ConfigError(
                 f"lookup: bad value {self.connect_timeout!r} for 'connect_timeout': must be > 0"
             )
-        if self.max_pending <= 0:
-            raise ConfigError(f"lookup: bad value {self.max_pending!r} for 'lookup_max_pending': must be > 0")
+        if self.lookup_max_pending <= 0:
+            raise ConfigError(
+                f"lookup: bad value {self.lookup_max_pending!r} for 'lookup_max_pending': must be > 0"
+            )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LookupConfig:
@@ -57,10 +59,10 @@ class LookupConfig:
         return cls(
             backend_url=settings.backend_url,
             lookup_server=settings.lookup_server,
-            timeout=settings.lookup_timeout,
+            lookup_timeout=settings.lookup_timeout,
             key_prefix=settings.key_prefix,
-            max_pending=settings.lookup_max_pending,
-            server_key=settings.lookup_server_key,
+            lookup_max_pending=settings.lookup_max_pending,
+            lookup_server_key=settings.lookup_server_key,
             connect_timeout=settings.connect_timeout,
         )
 
@@ -72,14 +74,14 @@ class LookupConfig:
     def transport(self) -> LookupTransport:
         if self.lookup_server:
             curve = None
-            if self.server_key:
-                curve = CurveClientKeys(load_key(self.server_key, what="lookup_server_key"))
+            if self.lookup_server_key:
+                curve = CurveClientKeys(load_key(self.lookup_server_key, what="lookup_server_key"))
             return ZmqTransport(self.lookup_server, curve=curve)
         assert self.backend_url is not None
         return DirectTransport(
             self.backend_url,
             key_prefix=self.key_prefix,
-            timeout=self.timeout,
+            timeout=self.lookup_timeout,
             connect_timeout=self.connect_timeout,
         )
 
@@ -89,7 +91,11 @@ def open_lookup_client(
 ) -> LookupClient[R]:
     """A started client for ``mode`` (``PREFIX`` for KV, ``EXISTS`` for EC) with the configured transport."""
     return LookupClient(
-        config.transport(), mode, runtime=runtime, timeout=config.timeout, max_pending=config.max_pending
+        config.transport(),
+        mode,
+        runtime=runtime,
+        timeout=config.lookup_timeout,
+        max_pending=config.lookup_max_pending,
     )
 
 

@@ -219,7 +219,7 @@ def test_config_chooses_transport() -> None:
     cfg = LookupConfig.from_settings(
         Settings.from_extra_config({"lookup_server": "ipc:///tmp/x", "lookup_timeout": "250ms"})
     )
-    assert cfg.timeout == 0.25 and isinstance(cfg.transport(), ZmqTransport)
+    assert cfg.lookup_timeout == 0.25 and isinstance(cfg.transport(), ZmqTransport)
     with pytest.raises(ConfigError):
         LookupConfig()
     with pytest.raises(ConfigError, match="lookup_timeout"):

@@ -89,7 +89,7 @@ def test_batches_are_split(rt: Runtime) -> None:
 def test_real_redis_pipelined_exists(rt: Runtime, redis_server: RedisServer) -> None:
     prefix = f"lk-{uuid.uuid4().hex[:8]}:"
     seed(rt, redis_server.url, [store_key(prefix, h) for h in HASHES[:4]] + [prefix + "mm-x"])
-    cfg = LookupConfig(backend_url=redis_server.url, key_prefix=prefix, timeout=5.0)
+    cfg = LookupConfig(backend_url=redis_server.url, key_prefix=prefix, lookup_timeout=5.0)
     kv = open_lookup_client(cfg, PREFIX, runtime=rt)
     ec = open_lookup_client(cfg, EXISTS, runtime=rt)
     try:
@@ -107,7 +107,7 @@ def test_real_redis_pipelined_exists(rt: Runtime, redis_server: RedisServer) -> 
 @pytest.mark.redis
 def test_paused_redis_times_out_to_misses_then_recovers(rt: Runtime, fresh_redis: RedisServer) -> None:
     seed(rt, fresh_redis.url, [store_key("", h) for h in HASHES[:2]])
-    kv = open_lookup_client(LookupConfig(backend_url=fresh_redis.url, timeout=0.5), PREFIX, runtime=rt)
+    kv = open_lookup_client(LookupConfig(backend_url=fresh_redis.url, lookup_timeout=0.5), PREFIX, runtime=rt)
     try:
         assert kv.lookup_sync("warm", HASHES) == 2
         fresh_redis.pause()
