@@ -65,7 +65,14 @@ from asyncconn import codec
 from asyncconn.exceptions import PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import LoopFuture, Runtime, get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer._device import SAVE_PRIORITY, CpuDevice, Event, TransferDevice, default_device
+from asyncconn.transfer._device import (
+    SAVE_PRIORITY,
+    CpuDevice,
+    Event,
+    TransferDevice,
+    default_device,
+    single_thread_torch,
+)
 from asyncconn.transfer.copythread import CopyThread
 from asyncconn.transfer.failures import Failure, RateLimitedLog, classify
 from asyncconn.transfer.lazy import LazyTensor, Pieces
@@ -421,7 +428,7 @@ class SaveTracker:
     def poll_finished(self) -> set[str]:
         """Request ids whose saves are all done (ok or failed) since the last call; then forgotten."""
         self._progress()
-        return self._report(self._finished)
+        return self._report(self._finished) if self._finished else set()
 
     def wait(self, request_ids: Iterable[str], timeout: float) -> set[str]:
         """Block until the saves of ``request_ids`` are done or ``timeout`` passes (preemption only).
@@ -811,6 +818,7 @@ class SaveTracker:
         Runs on the loop. The staging buffers stay on loan until this has returned (the worker releases them
         when it sees the future done), so nothing can overwrite bytes that a put is still sending.
         """
+        single_thread_torch()  # the loop's own copies must not start an OpenMP team beside the engine's
         if batch.cancel_requested:
             raise asyncio.CancelledError
         batch.task = asyncio.current_task()  # type: ignore[assignment]
