@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable
 
 from asyncconn.exceptions import TransferError
+from asyncconn.transfer._device import single_thread_torch
 
 __all__ = ["CopyThread"]
 
@@ -83,6 +84,7 @@ class CopyThread:
 
 def _run(jobs: queue.SimpleQueue[Job | None]) -> None:
     _yield_to_posters()
+    single_thread_torch()  # its gathers and copies must not start an OpenMP team beside vLLM's
     while True:
         job = jobs.get()
         if job is None:
