@@ -640,7 +640,7 @@ def test_example_configs_are_valid_for_vllm_and_asyncconn(name: str) -> None:
 
     from asyncconn.config import Settings
 
-    raw = json.loads((Path(__file__).resolve().parents[2] / "examples" / name).read_text())
+    raw = json.loads((Path(__file__).resolve().parents[3] / "examples" / name).read_text())
     config = ECTransferConfig(**raw)
     assert config.ec_connector == CLASS and config.ec_connector_module_path == MODULE
     assert config.is_ec_producer == (raw["ec_role"] == "ec_producer")

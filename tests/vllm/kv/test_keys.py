@@ -170,7 +170,7 @@ def test_example_config_is_accepted_by_vllm_and_settings() -> None:
 
     from asyncconn.config import Settings
 
-    data = json.loads((Path(__file__).parents[2] / "examples" / "vllm_kv_offload.json").read_text())
+    data = json.loads((Path(__file__).parents[3] / "examples" / "vllm_kv_offload.json").read_text())
     config = KVTransferConfig(**data)
     assert config.kv_connector == "AsyncConnKVConnector" and config.is_kv_producer and config.is_kv_consumer
     settings = Settings.from_extra_config(config.kv_connector_extra_config)
