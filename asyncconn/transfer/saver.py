@@ -56,10 +56,11 @@ requests, counters, the pool, the duplicate sets, the queues of saves. Other thr
 ``_done``, a deque they append to and the worker alone drains: the loop appends a batch whose put has
 ended (a done-callback), the copy thread a job it has finished (before that job's batches can follow).
 A save belongs to one thread at a time: the worker until it is posted in a copy job (then the copy thread's
-until the job is on ``_done``) or handed to the loop in a batch (then read-only to the put until the
-batch is on ``_done``). The exceptions, both read-only and both documented in
-:mod:`asyncconn.transfer.snapshot`: the worker reads a posted job's request ids (``CopyJob.reads``), and
-the copy thread reads ``Copier.cancelling``, a flag the worker sets once in ``close``.
+until the job is on ``_done``) or handed to the loop in a batch (then the put reads it, the worker reads
+only its request id, until the batch is on ``_done``). The other reads across threads, both of values that
+one thread writes and documented in :mod:`asyncconn.transfer.snapshot`: the worker reads a posted job's
+request ids (``CopyJob.reads``), and the copy thread reads ``Copier.cancelling``, a flag the worker sets
+once in ``close``.
 """
 
 from __future__ import annotations
@@ -153,9 +154,10 @@ class SaveTracker:
         self._queued: collections.deque[Save] = collections.deque()  # waiting for a staging buffer
         self._copying: collections.deque[Save] = collections.deque()  # snapshot issued, event not fired
         self._staged: list[Save] = []  # snapshot complete, not handed to the loop yet
-        self._step: list[Save] = []  # copy thread: buffer taken, not posted yet
-        self._groups: list[Group] = []  # copy thread: submit_many's values, one shared buffer at hand-off
-        self._touch: list[tuple[str, LazyTensor]] = []  # copy thread: lazy sources of queued saves
+        # The next copy job (copy-thread path), the worker's until posted:
+        self._step: list[Save] = []  # buffer taken
+        self._groups: list[Group] = []  # submit_many's values, one shared buffer at hand-off
+        self._touch: list[tuple[str, LazyTensor]] = []  # lazy sources of queued saves
         self._jobs: collections.deque[CopyJob] = collections.deque()  # posted, not reported back yet
         self._batches: set[Batch] = set()  # running on the loop
         self._recent: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
