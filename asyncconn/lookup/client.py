@@ -130,6 +130,7 @@ class LookupClient(Generic[R]):
         self._inflight: dict[int, _Entry] = {}  # loop thread
         self._next_wid = 0  # loop thread
         self._timer: asyncio.TimerHandle | None = None  # loop thread
+        self._answered = threading.Event()  # set on the loop after answers were written; cleared by wait()
         self._closed = False
         # A direct transport connects to its store here: give it its own connect bound (plus slack).
         connect = getattr(transport, "connect_timeout", None) or 0.0
@@ -196,6 +197,31 @@ class LookupClient(Generic[R]):
             if not self._wake_pending:
                 with contextlib.suppress(RuntimeClosed):  # discard never fails: the loop is gone anyway
                     self._wake()
+        return True
+
+    def outstanding(self) -> bool:
+        """True while some submitted lookup has no answer yet (answered, unconsumed ones do not count)."""
+        return any(entry.result is _PENDING for entry in self._entries.values())
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until every outstanding lookup is answered; True if none is left.
+
+        For a scheduler with nothing else to do (a step that scheduled no tokens while lookups are out):
+        vLLM steps again at once, and its back-to-back empty steps hold the GIL that the loop thread needs
+        to send the lookups and read the answers. A blocking wait hands the GIL over and returns as soon as
+        the last answer is written (collect them with ``poll``), at once when nothing is outstanding.
+        """
+        if self._rt.in_loop_thread():
+            raise LoopThreadBlocked("wait() called on the loop thread; it would deadlock")
+        deadline = time.monotonic() + timeout
+        while self.outstanding():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._closed:
+                return False
+            self._answered.clear()
+            if not self.outstanding():  # answered between the test and the clear
+                break
+            self._answered.wait(remaining)
         return True
 
     def _wake(self) -> None:
@@ -309,6 +335,7 @@ class LookupClient(Generic[R]):
             self._resolve(entry, value)
         if not inflight:
             self._inflight = {}
+        self._answered.set()  # after every result is written: wait() re-checks them
 
     @staticmethod
     def _resolve(entry: _Entry, value: object) -> None:
@@ -339,6 +366,8 @@ class LookupClient(Generic[R]):
                 self._resolve(entry, self.mode.miss(len(entry.keys)))
         if not inflight:
             self._inflight = {}
+        if expired:
+            self._answered.set()
         self._arm()
 
     async def _aclose(self) -> None:
@@ -350,4 +379,5 @@ class LookupClient(Generic[R]):
             self._resolve(entry, self.mode.miss(len(entry.keys)))
         self._inflight.clear()
         self._queue.clear()
+        self._answered.set()
         await self._transport.close()

@@ -37,7 +37,11 @@ snapshotted activation) while the copy is still queued without the allocator han
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -53,6 +57,7 @@ __all__ = [
     "TransferDevice",
     "default_device",
     "engine_devices",
+    "single_thread_torch",
 ]
 
 #: CUDA stream priorities (torch: a lower number is a higher priority; out-of-range values are clamped to
@@ -65,6 +70,46 @@ SAVE_PRIORITY = 0
 def _normal_tensors() -> torch.inference_mode:
     """A context in which new tensors are normal tensors, even on a thread running under inference mode."""
     return torch.inference_mode(False)
+
+
+_thread_state = threading.local()
+_omp_set: Callable[[int], object] | bool | None = False  # False: not looked up yet; None: none found
+
+
+def _omp_setter() -> Callable[[int], object] | None:
+    """``omp_set_num_threads`` of the OpenMP runtime torch uses (its bundled libgomp, else the process's)."""
+    global _omp_set
+    if _omp_set is False:
+        found: Callable[[int], object] | None = None
+        candidates = [os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"), None]
+        for path in candidates:
+            if path is not None and not os.path.exists(path):
+                continue
+            with contextlib.suppress(OSError, AttributeError):
+                found = ctypes.CDLL(path).omp_set_num_threads
+                break
+        _omp_set = found
+    return _omp_set if callable(_omp_set) else None
+
+
+def single_thread_torch() -> None:
+    """Run this thread's own torch CPU ops on this thread alone (OpenMP's per-thread thread count = 1).
+
+    For our helper threads (the save tracker's copy thread, the loop thread). Why: OpenMP gives every
+    thread that runs a parallel op a team of its own, and libgomp counts all their threads; once that count
+    exceeds the CPUs it stops letting any idle team thread spin and puts them to sleep between parallel
+    regions. A gather on the copy thread therefore switched vLLM's own two-thread matmuls on a 2-CPU box
+    into that sleeping mode for the engine's whole life (the decode benchmark's main gap). Only the calling
+    thread's setting changes (``torch.set_num_threads`` would change the process default, and vLLM's CPU
+    worker forbids it). Idempotent and cheap per thread.
+    """
+    if getattr(_thread_state, "single", False):
+        return
+    _thread_state.single = True
+    torch.get_num_threads()  # torch's lazy per-thread init first, or it would overwrite the setting below
+    setter = _omp_setter()
+    if setter is not None:
+        setter(1)
 
 
 class Event(Protocol):

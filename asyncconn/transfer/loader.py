@@ -41,7 +41,13 @@ import torch
 from asyncconn.exceptions import DuplicateTransfer, PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import Fetch, TensorStore
-from asyncconn.transfer._device import LOAD_PRIORITY, Event, TransferDevice, default_device
+from asyncconn.transfer._device import (
+    LOAD_PRIORITY,
+    Event,
+    TransferDevice,
+    default_device,
+    single_thread_torch,
+)
 from asyncconn.transfer.dest import NewTensor
 from asyncconn.transfer.failures import Failure, classify
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
@@ -176,6 +182,8 @@ class StreamLoader:
 
     def poll(self) -> list[LoadResult]:
         """Results of loads that completed since the last call (ready tensors and failures). Never blocks."""
+        if not (self._fetched or self._copying or self._queued or self._results):
+            return []  # nothing in hand (every step of an engine that loads nothing)
         if self._landed.is_set():  # before draining: a fetch handed back from here on sets it again
             self._landed.clear()
         results, self._results = self._results, []
@@ -361,6 +369,7 @@ class StreamLoader:
         Runs on the loop. Being one runtime task, the batch is cancelled by ``Runtime.close``; it then
         cancels its children and waits for them, so their done-callbacks still hand every load back.
         """
+        single_thread_torch()  # the loop's own copies must not start an OpenMP team beside the engine's
         tasks: list[asyncio.Task[_Fetched]] = []
         for load in loads:
             if load.cancel_requested:  # cancelled before the loop got here: nothing was written

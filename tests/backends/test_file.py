@@ -158,7 +158,7 @@ FileBackend(sys.argv[1])._write("k", b"x" * 100_000)
 
 
 def _start_stalled_writer(root: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     child = subprocess.Popen(
         [sys.executable, "-c", _STALLED_WRITER, str(root)], stdout=subprocess.PIPE, text=True, env=env
     )
@@ -240,7 +240,7 @@ async def test_max_bytes_evicts_least_recently_used_across_processes(tmp_path: P
     url = f"file://{root}?max_bytes=512KiB&sweep_interval=3600s"  # sweeps run only when writes pass the bound
     writer = await open_backend(url)
     assert isinstance(writer, FileBackend)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     try:
         values = {f"v{i}": os.urandom(100 << 10) for i in range(10)}
         for i, (key, value) in enumerate(values.items()):

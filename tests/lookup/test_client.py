@@ -326,3 +326,43 @@ def test_close_never_raises_for_a_hung_or_failing_transport(
         assert said in caplog.text
         client.close()  # twice: a no-op
         caplog.clear()
+
+
+def test_wait_returns_when_every_outstanding_lookup_is_answered(rt: Runtime) -> None:
+    import threading
+    import time
+
+    client, fake = make(rt)
+    assert client.wait(5.0) is True and not client.outstanding()  # nothing out: at once
+    client.submit("a", keys_for(1))
+    client.submit("b", keys_for(2))
+    rt.run(noop())
+    assert client.outstanding()
+    started = time.monotonic()
+    assert client.wait(0.02) is False  # unanswered: bounded, never longer than asked (plus slack)
+    assert 0.015 < time.monotonic() - started < 2.0
+
+    def answer_later() -> None:
+        time.sleep(0.05)
+        rt.run(fake.answer_all())
+
+    answering = threading.Thread(target=answer_later)
+    answering.start()
+    started = time.monotonic()
+    assert client.wait(30.0) is True  # woken by the answers, long before the bound
+    assert time.monotonic() - started < 10.0
+    answering.join()
+    assert not client.outstanding()
+    assert (client.poll("a"), client.poll("b")) == (2, 3)
+    client.close()
+
+
+def test_wait_refuses_the_loop_thread(rt: Runtime) -> None:
+    client, _ = make(rt)
+
+    async def on_loop() -> None:
+        client.wait(0.01)
+
+    with pytest.raises(LoopThreadBlocked):
+        rt.run(on_loop())
+    client.close()

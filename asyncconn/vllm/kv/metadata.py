@@ -119,6 +119,8 @@ class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         super().__init__(data=dict(data) if data else {})
         self.data: dict[str, Any]
+        # False until something is recorded: is_empty() is then one test (vLLM asks every step).
+        self._touched = bool(self.data)
         if not self.data:
             self.reset()
 
@@ -127,14 +129,18 @@ class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
         self.data = data
         for name in HISTOGRAMS:
             self.data[name] = [0] * _NBUCKETS
+        self._touched = False
 
     def add(self, name: str, value: int = 1) -> None:
+        self._touched = True
         self.data[name] = self.data.get(name, 0) + value
 
     def observe(self, name: str, seconds: float) -> None:
+        self._touched = True
         self.data.setdefault(name, [0] * _NBUCKETS)[bucket(seconds)] += 1
 
     def merge_histogram(self, name: str, counts: list[int]) -> None:
+        self._touched = True
         hist = self.data.setdefault(name, [0] * _NBUCKETS)
         for i, n in enumerate(counts[:_NBUCKETS]):
             hist[i] += n
@@ -156,6 +162,8 @@ class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
         return out
 
     def is_empty(self) -> bool:
+        if not getattr(self, "_touched", True):  # (an instance vLLM rebuilt without __init__ is checked)
+            return True
         return not any(self.data.get(name) for name in COUNTERS) and not any(
             any(self.data.get(name) or ()) for name in HISTOGRAMS
         )

@@ -24,7 +24,11 @@ from asyncconn.lookup.client import LookupClient
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, LoadSpec, SaveSpec, ValueRef
 
-__all__ = ["KVSchedulerSide"]
+__all__ = ["IDLE_WAIT_S", "KVSchedulerSide"]
+
+#: Longest wait for outstanding lookups on a step that scheduled no tokens (see ``build_connector_meta``):
+#: a request arriving meanwhile is scheduled two milliseconds later at worst.
+IDLE_WAIT_S = 0.002
 
 
 @dataclass
@@ -62,6 +66,7 @@ class KVSchedulerSide:
         self._loads: list[LoadSpec] = []  # planned since the last build_connector_meta
         self._via_recv: set[str] = set()  # finished while loading, since the last build_connector_meta
         self._stats = AsyncConnKVStats()
+        self._lookups_seen = 0  # lookup latencies recorded at the last stats() (its fast path)
 
     # -- lookups ---------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -135,7 +140,13 @@ class KVSchedulerSide:
 
     # -- every step ------------------------------------------------------------------------------------
     def build_connector_meta(self, so: Any) -> AsyncConnKVMetadata:
-        """Loads planned since the last step, saves this step completes, this step's preemptions."""
+        """Loads planned since the last step, saves this step completes, this step's preemptions.
+
+        On a step that scheduled no tokens while lookups are outstanding, waits up to ``IDLE_WAIT_S`` for
+        their answers (``LookupClient.wait``, which hands the GIL to the loop thread and returns as soon as
+        the last answer is in): otherwise vLLM's back-to-back empty steps starve the loop that answers them,
+        and each request waits tens of empty steps before its admission. A step with work never waits.
+        """
         preempted = frozenset(so.preempted_req_ids or ())
         for rid in so.finished_req_ids:
             self._forget(rid)
@@ -143,14 +154,20 @@ class KVSchedulerSide:
             self._hits.pop(rid, None)
             if self.lookup is not None:
                 self.lookup.discard(rid)
+        step_tokens = int(getattr(so, "total_num_scheduled_tokens", -1))
+        via_recv = frozenset(self._via_recv) if self._via_recv else frozenset()
         meta = AsyncConnKVMetadata(
             loads=self._loads,
             preempted=preempted,
-            finished_via_recv=frozenset(self._via_recv),
-            step_tokens=int(getattr(so, "total_num_scheduled_tokens", -1)),
+            finished_via_recv=via_recv,
+            step_tokens=step_tokens,
         )
-        self._loads = []
-        self._via_recv.clear()
+        if self._loads:
+            self._loads = []
+        if via_recv:
+            self._via_recv.clear()
+        if step_tokens == 0 and self.lookup is not None and not self.sync_lookup:
+            self.lookup.wait(IDLE_WAIT_S)
         if not self.save:
             return meta
         for new in so.scheduled_new_reqs:
@@ -179,6 +196,8 @@ class KVSchedulerSide:
         return meta
 
     def _plan_saves(self, meta: AsyncConnKVMetadata, rid: str, state: _Req, computed: int) -> None:
+        if computed // self.keys.tokens_per_value <= state.stored_values:
+            return  # no value completed since the last plan (most decode steps): no hash list built
         bpv = self.keys.blocks_per_value
         hashes = self.keys.value_hashes(state.request.block_hashes)
         full = min(computed // self.keys.tokens_per_value, len(hashes))
@@ -236,9 +255,14 @@ class KVSchedulerSide:
     # -- observability ---------------------------------------------------------------------------------
     def stats(self) -> AsyncConnKVStats | None:
         """Lookup counters and latencies since the previous call (None when nothing happened)."""
+        lookup = self.lookup
+        observed = sum(lookup.metrics.latency_buckets) if lookup is not None else 0
+        if observed == self._lookups_seen and self._stats.is_empty():
+            return None  # nothing happened since the last call (most steps): nothing allocated
+        self._lookups_seen = observed
         stats, self._stats = self._stats, AsyncConnKVStats()
-        if self.lookup is not None:
-            taken = self.lookup.metrics.take()
+        if lookup is not None:
+            taken = lookup.metrics.take()
             buckets = taken.get("latency_buckets")
             if isinstance(buckets, list):
                 stats.merge_histogram("lookup_latency", buckets)

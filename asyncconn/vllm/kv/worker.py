@@ -452,10 +452,16 @@ class KVWorkerSide:
 
     # -- observability and shutdown --------------------------------------------------------------------
     def stats(self) -> AsyncConnKVStats | None:
+        """Counters and latencies since the previous call; None (nothing allocated) when nothing happened."""
+        saved, failed = self.saver.saved_bytes, self.saver.failures.total()
+        base_saved, base_failed = self._saver_base
+        if saved == base_saved and failed == base_failed and self._stats.is_empty():
+            return None
         stats, self._stats = self._stats, AsyncConnKVStats()
-        saved, failed = self.saver.saved_bytes, sum(self.saver.failures.values())
-        stats.add("bytes_saved", saved - self._saver_base[0])
-        stats.add("save_failures", failed - self._saver_base[1])
+        if saved != base_saved:
+            stats.add("bytes_saved", saved - base_saved)
+        if failed != base_failed:
+            stats.add("save_failures", failed - base_failed)
         self._saver_base = (saved, failed)
         return None if stats.is_empty() else stats
 

@@ -126,3 +126,69 @@ def test_nothing_asked_when_the_local_cache_covers_the_usable_prefix(h: Harness)
     assert h.side.get_num_new_matched_tokens(_request("s", 16), 0) == (0, False)
     assert h.side.get_num_new_matched_tokens(_request("c"), 96) == (0, False)
     assert h.client.metrics.submitted == 0
+
+
+def test_an_idle_step_waits_for_outstanding_lookups_a_busy_step_never(h: Harness) -> None:
+    """A step that scheduled nothing hands the GIL to the loop until the lookups are answered (bounded);
+    then the next step admits the request, instead of tens of empty steps polling an answer the loop
+    cannot deliver while vLLM's thread spins."""
+    import threading
+    import time
+
+    request = _request("w")
+    assert h.side.get_num_new_matched_tokens(request, 0) == (None, False)
+    wait_until(lambda: bool(h.transport.pending))
+    busy = _output()
+    busy.total_num_scheduled_tokens = 8
+    started = time.monotonic()
+    h.side.build_connector_meta(busy)  # tokens scheduled: never waits
+    assert time.monotonic() - started < 0.5
+    assert h.client.outstanding()
+
+    def answer_soon() -> None:
+        time.sleep(0.001)
+        h.rt.run(h.transport.answer_all())
+
+    answering = threading.Thread(target=answer_soon)
+    answering.start()
+    idle = _output()
+    idle.total_num_scheduled_tokens = 0
+    h.side.build_connector_meta(idle)  # waits (<= IDLE_WAIT_S) for the answer
+    answering.join()
+    # Either the wait saw the answer, or the 2 ms bound passed first on a loaded box: never longer.
+    if not h.client.outstanding():
+        assert h.side.get_num_new_matched_tokens(request, 0) == (96, True)  # 6 usable values, all there
+    h.side.request_finished(request)
+    assert not any(h.side.counters().values())
+
+
+def test_idle_wait_is_bounded_when_the_store_never_answers(h: Harness) -> None:
+    import time
+
+    from asyncconn.vllm.kv_scheduler import IDLE_WAIT_S
+
+    request = _request("s")
+    h.side.get_num_new_matched_tokens(request, 0)
+    wait_until(lambda: bool(h.transport.pending))
+    idle = _output()
+    idle.total_num_scheduled_tokens = 0
+    started = time.monotonic()
+    h.side.build_connector_meta(idle)
+    elapsed = time.monotonic() - started
+    assert IDLE_WAIT_S * 0.9 <= elapsed < 1.0
+    h.side.request_finished(request)
+    h.answer_all()  # the late answer of the discarded lookup is dropped
+    assert not any(h.side.counters().values())
+
+
+def test_stats_is_none_and_allocates_nothing_on_a_quiet_step(h: Harness) -> None:
+    request = _request("q")
+    h.side.get_num_new_matched_tokens(request, 0)
+    h.answer_all(2)
+    h.side.get_num_new_matched_tokens(request, 0)
+    first = h.side.stats()
+    assert first is not None and first.data["lookups"] == 1 and sum(first.data["lookup_latency"]) == 1
+    kept = h.side._stats
+    assert h.side.stats() is None
+    assert h.side._stats is kept  # the fast path kept the (empty) accumulator: nothing allocated
+    h.side.request_finished(request)
