@@ -165,7 +165,7 @@ def test_an_idle_step_waits_for_outstanding_lookups_a_busy_step_never(h: Harness
 def test_idle_wait_is_bounded_when_the_store_never_answers(h: Harness) -> None:
     import time
 
-    from asyncconn.vllm.kv_scheduler import IDLE_WAIT_S
+    from asyncconn.vllm.kv.scheduler import IDLE_WAIT_S
 
     request = _request("s")
     h.side.get_num_new_matched_tokens(request, 0)
