@@ -1,4 +1,4 @@
-"""The security posture, each claim with a test (issue 8, part 3).
+"""The security posture, each claim with a test.
 
 Claims proved elsewhere and referenced here rather than duplicated:
 - Redis with a password works and a wrong/missing password fails clearly:

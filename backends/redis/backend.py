@@ -71,8 +71,8 @@ __all__ = ["RedisBackend"]
 T = TypeVar("T")
 
 DEFAULT_PORT = 6379
-#: Writes want few large chunks, reads several to fetch in parallel: 1 MiB was the best compromise
-#: measured for 4 and 16 MiB values (docs/redis.md).
+#: Writes want few large chunks, reads several to fetch in parallel: 1 MiB is the compromise between
+#: the two for values of a few MiB (a KV block or an embedding).
 DEFAULT_CHUNK_SIZE = 1 << 20
 _TLS_PARAMS = ("tls_ca", "tls_cert", "tls_key", "tls_check_hostname")
 

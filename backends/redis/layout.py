@@ -4,8 +4,8 @@ A value of at most ``chunk_size`` bytes is stored inline, as a string under ``<p
 one is a hash under that same key: field ``m`` holds a small :class:`Manifest` and the chunks are fields
 ``<version>:<i>``. One key per value is what makes Redis evict a value as a unit: under ``maxmemory``
 with an ``allkeys-*`` policy, chunks stored under keys of their own were evicted one by one, and a value
-missing one chunk is a miss while its other chunks still hold memory (2 MiB values re-read four writes
-later: 28% hits with 1 MiB chunks, 91% stored whole; docs/redis.md).
+missing one chunk is a miss while its other chunks still hold memory, so the hit rate of chunked values
+collapsed (the figures are in docs/benchmarks.md).
 
 A write replaces the whole key in one ``MULTI``: ``UNLINK``, then one ``HSET`` of the manifest and every
 chunk. Versions are random, so a reader that follows a manifest and asks for its fields either finds exactly
