@@ -122,7 +122,7 @@ def kv_prom_metrics(
     labelnames: list[str],
     per_engine_labelvalues: dict[int, list[object]],
 ) -> Any:
-    """``AsyncConnKVConnector.build_prom_metrics``: every counter of :data:`asyncconn.vllm.kv.metadata.COUNTERS`."""
+    """``AsyncConnKVConnector.build_prom_metrics``: every counter of ``kv.metadata.COUNTERS``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
     from asyncconn.vllm.kv.metadata import COUNTERS
