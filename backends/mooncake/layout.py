@@ -5,7 +5,9 @@ refuses empty objects, so an empty value needs at least one byte of its own; the
 that lands straight in the caller's buffers check that it got exactly the value it asked for; and the xxh3
 checksum of the value catches a read that raced an ``upsert`` of the same key. The contract suite saw such
 torn reads (a reader given bytes of two writes) in about one run in three, so a mismatch is re-read once and
-then reported as a miss: a reader sees the old value, the new one or nothing.
+then reported as a miss: a reader sees the old value, the new one or nothing. Bytes that do not start with a
+header declaring their length are a miss too, never handed on: Mooncake 0.3.13 serves a read racing an
+``upsert`` an object not written yet (all zeros, header included; measured), so such bytes are nobody's value.
 
 A value written as :class:`asyncconn.backend.SelfChecked` (a frame, whose own checksum every reader
 verifies) carries :data:`FLAG_SELF_CHECKED` and no checksum of ours: computing it would repeat the frame's
