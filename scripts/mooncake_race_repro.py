@@ -1,11 +1,11 @@
 """Stress reproducer for the contract suite's racing writers test on ``mooncake://`` (not run by the tests).
 
-Usage: ``.venv/bin/python scripts/mooncake_race_repro.py [rounds writers readers size]`` (defaults:
-50 4 2 2 MiB). Each round runs the body of
-``tests/backends/test_contract.py::test_concurrent_writers_never_leave_a_torn_value`` on a fresh backend
-(as each test gets one; a fresh segment) against one ``mooncake_master``, with ``readers`` ``get()`` readers and as many
-``get_into()`` readers, and counts reads that returned bytes equal to none of the values written: the
-atomicity the contract promises.
+Usage: ``.venv/bin/python scripts/mooncake_race_repro.py [rounds writers readers size]`` (defaults: 50 4 2 2
+MiB). Each round runs the body of
+``tests/backends/test_contract.py::test_concurrent_writers_never_leave_a_torn_value`` on a fresh backend (as
+each test gets one; a fresh segment) against one ``mooncake_master``, with ``readers`` ``get()`` readers and
+as many ``get_into()`` readers, and counts reads that returned bytes equal to none of the values written:
+the atomicity the contract promises.
 """
 
 from __future__ import annotations
