@@ -100,7 +100,7 @@ _READ_BATCH = 32
 #: Read-only parts up to this size are copied to get an address for a gathered insert (frame headers).
 _SMALL_PART = 64 << 10
 #: A direct read is checked and handed to the caller's sink in pieces of this size, so the sink's own pass
-#: over a piece finds it in cache (measured: two xxh3 passes over 16 MiB 1.20 ms, interleaved 0.96 ms).
+#: over a piece finds it in cache (two passes over a large value, interleaved, are cheaper than in a row).
 _PIECE = 256 << 10
 
 
@@ -117,9 +117,9 @@ def _client_environment(hostname: str, timeout: float) -> None:
     """Set the Mooncake client's environment knobs that bound its blocking calls (unless already set).
 
     Why: the client reads them from the environment at ``setup()``, process-wide. Without an RPC timeout a
-    call to a frozen master blocks its thread for ~30 s, and a read into caller memory cannot return
-    before it does; without the setup bound a wrong master address blocks ``setup()`` for ~90 s (both
-    measured). The first backend opened in a process sets them; an operator's own values always win.
+    call to a frozen master blocks its thread for tens of seconds, and a read into caller memory cannot
+    return before it does; without the setup bound a wrong master address blocks ``setup()`` for longer
+    still. The first backend opened in a process sets them; an operator's own values always win.
     """
     millis = str(max(100, round(timeout * 1000)))
     os.environ.setdefault("MC_RPC_TIMEOUT_MS", millis)
@@ -299,8 +299,8 @@ class MooncakeBackend(StorageBackend):
         """(pool thread) Write every value, retrying busy/full answers until ``deadline``; a failing code.
 
         A batch of several values over TCP goes as one forced ``batch_remove`` and one gathered
-        ``batch_put_from_multi_buffers`` for all of them (three RPCs, not two per value: 32 x 64 KiB measured
-        1.3 ms against 12.4 ms for 32 ``upsert_parts``); values that this could not write, and single
+        ``batch_put_from_multi_buffers`` for all of them (three RPCs, not two per value: a step's many small
+        values would otherwise pay two round trips each); values that this could not write, and single
         values, are written one by one.
         """
         batched = self.gather_puts and len(jobs) > 1 and len({name for name, _, _ in jobs}) == len(jobs)
@@ -465,8 +465,8 @@ class MooncakeBackend(StorageBackend):
         loop = asyncio.get_running_loop()
         reads = self._reads
         if reads is None and not self._reading_now:
-            # The first read of a loop iteration goes at once, on its own (a lone read pays no batching:
-            # measured ~0.04 ms per 1 MiB read otherwise); the others of the same iteration are batched.
+            # The first read of a loop iteration goes at once, on its own (a lone read should not pay for
+            # batching); the others of the same iteration are batched.
             self._reading_now = True
             loop.call_soon(self._end_iteration)
             return await self._call(
@@ -576,7 +576,7 @@ class MooncakeBackend(StorageBackend):
     ) -> tuple[int, str]:
         """(pool thread) Read, check and hand on: ``(code, "ok" | "torn" | "foreign" | "other")``.
 
-        The check runs here, not on the loop thread (16 MiB of xxh3 is ~0.6 ms). Without a sink a read that
+        The check runs here, not on the loop thread (hashing a large value would stall it). Without a sink a read that
         raced an upsert is re-read once; with one, each piece goes to the sink right after it is hashed (the
         sink's own pass then finds it in cache), so a torn read cannot be re-read (the sink has seen it)
         and is reported as a miss.
@@ -585,8 +585,7 @@ class MooncakeBackend(StorageBackend):
         that length. Its bytes are in the caller's buffers, so it must be a miss, never "the value is
         there" (what this returned before, through the length mismatch path: ``get_size`` then reports the
         very size asked for). Mooncake 0.3.13 serves such an object -- all zeros, not yet written -- to a
-        read racing an upsert of the key (measured: 16 of 100 rounds of the contract suite's racing test,
-        4 writers and 4 readers, saw one). Not re-read: that window outlasts a re-read (two reads in a row
+        read racing an upsert of the key (scripts/mooncake_race_repro.py reproduces it). Not re-read: that window outlasts a re-read (two reads in a row
         saw it), and a foreign object would be read twice for nothing.
         """
         header = bytearray(HEADER_SIZE)
@@ -679,7 +678,7 @@ def _verify(targets: list[memoryview], digest: int, sink: Sink | None, *, self_c
     """Whether ``targets`` hash to ``digest``; with a sink, each piece is handed to it right after hashing.
 
     A sink that verifies the value itself (``TensorStore``'s frame verifier) gets the pieces unhashed: a
-    torn read fails its frame checksum instead, and this pass (~0.14 ms per 4 MiB) would only repeat it.
+    torn read fails its frame checksum instead, and this pass would only repeat it.
     A value written self-checked has no digest of ours: it passes here, and its reader checks it.
     """
     if self_checked or sink_verifies(sink):
@@ -779,9 +778,8 @@ class _Job:
 class _Workers:
     """At most ``size`` threads running blocking store calls, started only when every one is busy.
 
-    Why not ``ThreadPoolExecutor`` + ``wrap_future``: a hop through it cost ~0.1 ms per call here against
-    ~0.05 ms for one queue and a ``call_soon_threadsafe`` (1 MiB puts, interleaved, 3 runs), as much as a
-    whole 1 MiB Mooncake operation. Sequential callers keep meeting the same, warm, thread.
+    Why not ``ThreadPoolExecutor`` + ``wrap_future``: a hop through it costs about twice one queue and a
+    ``call_soon_threadsafe``, which matters when the Mooncake operation itself is as short as the hop. Sequential callers keep meeting the same, warm, thread.
     """
 
     def __init__(self, size: int, name: str) -> None:
