@@ -576,16 +576,17 @@ class MooncakeBackend(StorageBackend):
     ) -> tuple[int, str]:
         """(pool thread) Read, check and hand on: ``(code, "ok" | "torn" | "foreign" | "other")``.
 
-        The check runs here, not on the loop thread (hashing a large value would stall it). Without a sink
-        a read that raced an upsert is re-read once; with one, each piece goes to the sink right after it is hashed (the
-        sink's own pass then finds it in cache), so a torn read cannot be re-read (the sink has seen it)
-        and is reported as a miss.
+        The check runs here, not on the loop thread (hashing a large value would stall it). Without a sink a
+        read that raced an upsert is re-read once; with one, each piece goes to the sink right after it is
+        hashed (the sink's own pass then finds it in cache), so a torn read cannot be re-read (the sink has
+        seen it) and is reported as a miss.
 
-        "foreign": an object of exactly the size asked for landed, but without a header of ours declaring
-        that length. Its bytes are in the caller's buffers, so it must be a miss, never "the value is
-        there" (``get_size`` would report the very size asked for, so a length check cannot tell). Mooncake 0.3.13 serves such an object -- all zeros, not yet written -- to a
-        read racing an upsert of the key (scripts/mooncake_race_repro.py reproduces it). Not re-read: that
-        window outlasts a re-read (two reads in a row saw it), and a foreign object would be read twice for nothing.
+        "foreign": an object of exactly the size asked for landed, but without a header of ours declaring that
+        length. Its bytes are in the caller's buffers, so it must be a miss, never "the value is there"
+        (``get_size`` would report the very size asked for, so a length check cannot tell). Mooncake 0.3.13
+        serves such an object -- all zeros, not yet written -- to a read racing an upsert of the key
+        (scripts/mooncake_race_repro.py reproduces it). Not re-read: that window outlasts a re-read (two reads
+        in a row saw it), and a foreign object would be read twice for nothing.
         """
         header = bytearray(HEADER_SIZE)
         views = [memoryview(header), *(t for t in targets if t.nbytes)]
