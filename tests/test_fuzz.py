@@ -41,6 +41,9 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from tests.lookup.fakes import wait_until
 
+# Thousands of generated inputs per test: the slowest part of the suite that needs no server.
+pytestmark = pytest.mark.slow
+
 _FIXED = struct.Struct("<4sBBBBQ")  # magic, version, dtype code, ndim, flags, payload length
 FAST = settings(max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

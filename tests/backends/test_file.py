@@ -28,6 +28,7 @@ def _writer_process(root: str, seed: int, rounds: int) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow
 async def test_racing_processes_leave_one_whole_value(tmp_path: Path) -> None:
     root = str(tmp_path / "store")
     os.makedirs(root)
@@ -234,6 +235,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 async def test_max_bytes_evicts_least_recently_used_across_processes(tmp_path: Path) -> None:
     """Ten 100 KiB values in a 512 KiB store: the ones read (by another process, too) stay, the rest go."""
     root = tmp_path / "store"
