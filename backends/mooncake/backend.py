@@ -37,9 +37,7 @@ import ctypes
 import ipaddress
 import logging
 import os
-import queue
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -78,6 +76,7 @@ from .layout import (
     pack_header,
     parse_header,
 )
+from .pool import Job, Workers
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +157,7 @@ class MooncakeBackend(StorageBackend):
     def __init__(
         self,
         store: Any,
-        pool: _Workers,
+        pool: Workers,
         *,
         name: str,
         prefix: str = "",
@@ -203,7 +202,7 @@ class MooncakeBackend(StorageBackend):
         hostname = opts["local_hostname"] or ("127.0.0.1" if _is_loopback(url.host) else socket.gethostname())
         _client_environment(hostname, opts["timeout"])
         name = redact(url.raw)
-        pool = _Workers(opts["workers"], "asyncconn-mooncake")
+        pool = Workers(opts["workers"], "asyncconn-mooncake")
         store = MooncakeDistributedStore()
         backend = cls(
             store,
@@ -252,7 +251,7 @@ class MooncakeBackend(StorageBackend):
         """
         if self._closed:
             raise BackendUnavailable(f"{self.name}: backend is closed")
-        job = _Job(fn, args, asyncio.get_running_loop())
+        job = Job(fn, args, asyncio.get_running_loop())
         if not self._pool.submit(job):  # the pool was shut down by close() meanwhile
             raise BackendUnavailable(f"{self.name}: backend is closed")
         try:
@@ -505,7 +504,7 @@ class MooncakeBackend(StorageBackend):
         if all(entry is None for entry in entries):  # every read was withdrawn
             reads.future.set_result([])
             return
-        job = _Job(self._get_into_many_blocking, (entries,), reads.future.get_loop())
+        job = Job(self._get_into_many_blocking, (entries,), reads.future.get_loop())
         if not self._pool.submit(job):
             reads.future.set_exception(BackendUnavailable(f"{self.name}: backend is closed"))
             return
@@ -735,7 +734,7 @@ class _Reads:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.entries: list[_ReadEntry | None] = []  # None: withdrawn before the batch was sent
         self.future: asyncio.Future[list[tuple[int, str] | None]] = loop.create_future()
-        self.job: _Job | None = None  # set once sent: from then on the workers own the entries' buffers
+        self.job: Job | None = None  # set once sent: from then on the workers own the entries' buffers
 
     def settle(self, job_future: asyncio.Future[Any]) -> None:
         if self.future.done():
@@ -746,132 +745,3 @@ class _Reads:
             self.future.set_exception(exc)
         else:
             self.future.set_result(job_future.result())
-
-
-class _Job:
-    """One blocking call handed to the workers; its outcome lands in ``future`` on the caller's loop."""
-
-    __slots__ = ("args", "ended", "finished", "fn", "future", "loop")
-
-    def __init__(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop
-    ) -> None:
-        self.fn = fn
-        self.args = args
-        self.loop = loop
-        self.future: asyncio.Future[Any] = loop.create_future()
-        self.finished = False  # (loop thread) the outcome has been delivered
-        self.ended: asyncio.Future[None] | None = None  # (loop thread) made by whoever must outlast it
-
-    def deliver(self, result: Any, error: BaseException | None) -> None:
-        """(loop thread) Hand the outcome to the caller, unless it stopped waiting (cancelled, timed out)."""
-        self.finished = True
-        if not self.future.done():
-            if error is None:
-                self.future.set_result(result)
-            else:
-                self.future.set_exception(error)
-        if self.ended is not None and not self.ended.done():
-            self.ended.set_result(None)
-
-
-class _Workers:
-    """At most ``size`` threads running blocking store calls, started only when every one is busy.
-
-    Why not ``ThreadPoolExecutor`` + ``wrap_future``: a hop through it costs about twice one queue and a
-    ``call_soon_threadsafe``, which matters when the Mooncake operation itself is as short as the hop.
-    Sequential callers keep meeting the same, warm, thread.
-    """
-
-    def __init__(self, size: int, name: str) -> None:
-        self._size = size
-        self._name = name
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()  # guards _idle, _threads and _closed
-        self._idle = 0  # threads waiting for a job, less the jobs already queued for them
-        self._closed = False
-        # Submitted jobs: a worker claims one, or the loop withdraws it, by popping it (atomic in CPython).
-        self._queued: dict[_Job, None] = {}
-        self._live: set[_Job] = set()  # submitted, not yet finished
-
-    def submit(self, job: _Job) -> bool:
-        """Queue ``job``; ``False`` when the workers were shut down."""
-        with self._lock:
-            if self._closed:
-                return False
-            if self._idle:
-                self._idle -= 1
-            elif len(self._threads) < self._size:
-                thread = threading.Thread(
-                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
-                )
-                self._threads.append(thread)
-                thread.start()
-            self._live.add(job)
-            self._queued[job] = None
-            self._queue.put(job)
-        return True
-
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if self._queued.pop(job, False) is not None:  # withdrawn by the loop: never run it
-                self._ready()
-                continue
-            result: Any = None
-            error: BaseException | None = None
-            try:
-                result = job.fn(*job.args)
-            except BaseException as exc:  # handed to the caller, who translates it
-                error = exc
-            self._live.discard(job)
-            self._ready()
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is waiting
-                job.loop.call_soon_threadsafe(job.deliver, result, error)
-            del job, result, error
-
-    def _ready(self) -> None:
-        with self._lock:
-            self._idle += 1
-
-    async def outlast(self, job: _Job, *, withdraw: bool = True) -> None:
-        """Wait for ``job`` to end, through further cancellation (re-raised once it has ended).
-
-        With ``withdraw`` a job still queued is withdrawn instead (it will never run); a job shared by
-        several callers (a batch of reads) is never withdrawn by one of them.
-        """
-        if withdraw and self._queued.pop(job, False) is None:  # still queued: it will never run
-            self._live.discard(job)
-            return
-        if job.finished:
-            return
-        if job.ended is None:
-            job.ended = job.loop.create_future()
-        ended = job.ended
-        cancelled = False
-        while not ended.done():
-            try:
-                await asyncio.shield(ended)
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
-
-    def shutdown(self) -> None:
-        """(any thread but a worker) Let queued and running calls finish, then stop every thread."""
-        with self._lock:
-            self._closed = True
-            threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(None)
-        for thread in threads:
-            thread.join()
-
-    def thread_count(self) -> int:
-        return sum(t.is_alive() for t in self._threads)
-
-    def jobs_in_flight(self) -> int:
-        return len(self._live)

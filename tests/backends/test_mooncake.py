@@ -354,19 +354,19 @@ async def test_a_read_torn_by_a_racing_write_is_never_handed_on(
 async def test_workers_start_lazily_and_a_withdrawn_call_never_runs() -> None:
     """The backend's own worker threads: one thread serves sequential calls; a queued call whose caller
     gave up is withdrawn (never run); a running one is outlasted; shutdown stops every thread."""
-    from asyncconn_backends.mooncake.backend import _Job, _Workers
+    from asyncconn_backends.mooncake.pool import Job, Workers
 
-    workers = _Workers(1, "test-workers")
+    workers = Workers(1, "test-workers")
     loop = asyncio.get_running_loop()
     for i in range(5):
-        job = _Job(lambda x: x * 2, (i,), loop)
+        job = Job(lambda x: x * 2, (i,), loop)
         assert workers.submit(job)
         assert await job.future == i * 2
     assert workers.thread_count() == 1
     gate, started = threading.Event(), threading.Event()
     ran: list[str] = []
-    blocker = _Job(lambda: (started.set(), gate.wait(10), ran.append("blocker")), (), loop)
-    queued = _Job(lambda: ran.append("queued"), (), loop)
+    blocker = Job(lambda: (started.set(), gate.wait(10), ran.append("blocker")), (), loop)
+    queued = Job(lambda: ran.append("queued"), (), loop)
     assert workers.submit(blocker) and workers.submit(queued)
     assert workers.jobs_in_flight() == 2
     assert await asyncio.to_thread(started.wait, 10)  # the blocker runs; "queued" waits behind it
@@ -377,12 +377,12 @@ async def test_workers_start_lazily_and_a_withdrawn_call_never_runs() -> None:
     gate.set()
     await asyncio.wait_for(outlasting, 10)  # a hang guard, not a timing assertion
     assert ran == ["blocker"] and workers.jobs_in_flight() == 0
-    failing = _Job(lambda: 1 // 0, (), loop)
+    failing = Job(lambda: 1 // 0, (), loop)
     assert workers.submit(failing)
     with pytest.raises(ZeroDivisionError):
         await failing.future
     await asyncio.to_thread(workers.shutdown)
-    assert workers.thread_count() == 0 and not workers.submit(_Job(int, (), loop))
+    assert workers.thread_count() == 0 and not workers.submit(Job(int, (), loop))
     assert ran == ["blocker"]
 
 
