@@ -14,6 +14,7 @@ import torch
 
 from asyncconn.config import Settings
 from asyncconn.lookup import EXISTS, LookupConfig, open_lookup_client
+from asyncconn.lookup.transports import STORE_SLACK_S
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, default_device
@@ -552,4 +553,5 @@ def test_workers_and_lookups_open_the_store_with_connect_timeout(
         {"backend_url": url, "lookup_timeout": "300ms", "connect_timeout": "7s"}
     )
     open_lookup_client(LookupConfig.from_settings(settings), EXISTS, runtime=runtime).close()
-    assert seen == [(0.2, 7.0), (0.3, 7.0)]
+    # A lookup's store calls may run a little past its deadline: the client's deadline decides a timeout.
+    assert seen == [(0.2, 7.0), (0.3 + STORE_SLACK_S, 7.0)]
