@@ -253,13 +253,13 @@ def _scatter(sources: list[memoryview], dests: list[memoryview]) -> None:
 # -- registry ------------------------------------------------------------------------------------------
 # scheme -> ("module:Class", extra to install if the import fails)
 _BUILTINS: dict[str, tuple[str, str | None]] = {
-    "memory": ("backends.memory:MemoryBackend", None),
-    "file": ("backends.file:FileBackend", None),
-    "redis": ("backends.redis:RedisBackend", None),
-    "rediss": ("backends.redis:RedisBackend", None),
-    "unix": ("backends.redis:RedisBackend", None),
-    "redis+cluster": ("backends.redis_cluster:RedisClusterBackend", None),
-    "mooncake": ("backends.mooncake:MooncakeBackend", "asyncconn[mooncake]"),
+    "memory": ("asyncconn_backends.memory:MemoryBackend", None),
+    "file": ("asyncconn_backends.file:FileBackend", None),
+    "redis": ("asyncconn_backends.redis:RedisBackend", None),
+    "rediss": ("asyncconn_backends.redis:RedisBackend", None),
+    "unix": ("asyncconn_backends.redis:RedisBackend", None),
+    "redis+cluster": ("asyncconn_backends.redis:RedisClusterBackend", None),
+    "mooncake": ("asyncconn_backends.mooncake:MooncakeBackend", "asyncconn[mooncake]"),
 }
 _registered: dict[str, tuple[str | type[StorageBackend], str | None]] = {}
 _registry_lock = threading.Lock()

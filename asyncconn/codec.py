@@ -54,16 +54,13 @@ __all__ = [
     "FrameVerifier",
     "decode",
     "decode_into",
-    "decode_into_buffer",
     "encode",
     "encode_parts",
-    "frame_size",
     "header_size",
     "key_seed",
     "parse_header",
     "check_tensor",
     "tensor_bytes",
-    "verify_split",
 ]
 
 MAGIC = b"ACNF"
@@ -194,11 +191,6 @@ def _header_prefix(dtype: torch.dtype, shape: Sequence[int], payload_len: int, f
     return _FIXED.pack(MAGIC, FORMAT_VERSION, code, len(shape), flags, payload_len) + _SHAPES[
         len(shape)
     ].pack(*shape)
-
-
-def frame_size(tensor: torch.Tensor) -> int:
-    """Bytes the frame of ``tensor`` occupies."""
-    return header_size(tensor.dim()) + tensor.numel() * tensor.element_size()
 
 
 def encode_parts(tensor: torch.Tensor, *, key: Key | None = None) -> tuple[bytes, memoryview]:
@@ -465,28 +457,3 @@ class FrameVerifier:
         if self._hash.intdigest() != header.checksum:
             raise FrameCorrupt(_MISMATCH)
         return header
-
-
-def verify_split(
-    header: Buffer, payload: memoryview, out: torch.Tensor, *, key: Key | None = None
-) -> FrameHeader:
-    """Check a frame read in two pieces: the header, and the payload already in ``out``'s memory."""
-    verifier = FrameVerifier(out, key=key)
-    verifier.feed(memoryview(header).cast("B"))
-    verifier.feed(payload)
-    return verifier.finish()
-
-
-def decode_into_buffer(
-    data: Buffer | Chunks,
-    dest: memoryview,
-    *,
-    max_payload: int = DEFAULT_MAX_PAYLOAD,
-    key: Key | None = None,
-) -> FrameHeader:
-    """Validate a frame and copy its payload to the start of a raw byte buffer (a staging slab)."""
-    header, views = _verified_payload(data, max_payload, key)
-    if dest.nbytes < header.payload_len:
-        raise FrameMismatch(f"frame payload is {header.payload_len} bytes, buffer holds {dest.nbytes}")
-    _copy_views(views, dest.cast("B") if dest.format != "B" else dest)
-    return header

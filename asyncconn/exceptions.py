@@ -115,7 +115,8 @@ class BackendTimeout(BackendError):
 
 
 class RuntimeStateError(AsyncConnError):
-    """The loop runtime was used in a way that cannot work."""
+    """An object was used in a way its state cannot serve: the loop runtime (closed, blocked, forked), or a
+    connector facade asked for the side of the role it was not built with."""
 
 
 class RuntimeClosed(RuntimeStateError):
@@ -160,4 +161,4 @@ class LookupProtocolError(AsyncConnError):
 
 
 class SimulationError(AsyncConnError):
-    """The offline engine simulator (``asyncconn.vllm.sim``) was driven into a state vLLM would reject."""
+    """The offline engine simulator (``asyncconn.sim.engine``) was driven into a state vLLM would reject."""

@@ -62,6 +62,7 @@ def test_check_paused_redis_exits_2_within_timeout(fresh_redis: RedisServer) -> 
     assert _cli("check", fresh_redis.url).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("url", ["memory://", None])
 def test_bench_backend_json(url: str | None) -> None:
     args = ["bench", "backend", "--sizes", "64KiB,1MiB", "--iterations", "4", "--json"]

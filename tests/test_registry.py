@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from asyncconn_backends.memory import MemoryBackend
 
 import asyncconn
 from asyncconn import backend as registry
 from asyncconn.backend import available_schemes, open_backend, register_backend, resolve_backend
 from asyncconn.exceptions import BackendNotInstalled, ConfigError, UnknownSchemeError
 from asyncconn.store import TensorStore
-from backends.memory import MemoryBackend
 from examples.custom_backend import TTLMemoryBackend
 
 

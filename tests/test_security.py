@@ -1,10 +1,10 @@
-"""The security posture, each claim with a test (issue 8, part 3).
+"""The security posture, each claim with a test.
 
 Claims proved elsewhere and referenced here rather than duplicated:
 - Redis with a password works and a wrong/missing password fails clearly:
-  ``tests/test_redis_backend.py::test_password_auth`` and ``::test_wrong_or_missing_password_fails_clearly``.
+  ``tests/backends/test_redis.py::test_password_auth`` and ``::test_wrong_or_missing_password_fails_clearly``.
 - TLS through ``rediss://`` against a CA made in the test:
-  ``tests/test_redis_backend.py::test_tls_round_trip``.
+  ``tests/backends/test_redis.py::test_tls_round_trip``.
 - The ipc socket file is 0600: ``tests/lookup/test_server.py::test_ipc_socket_file_is_private``.
 - Frames over ``max_message`` drop the peer and over ``max_keys`` get an error reply:
   ``tests/lookup/test_server.py::test_oversized_frame_is_dropped_and_server_keeps_serving`` and
@@ -299,7 +299,7 @@ def test_pipelined_client_over_curve(rt: Runtime) -> None:
             client.submit(f"r{i}", HASHES[: i % 4 + 1])
         wait_until(lambda: client.metrics.completed == 50)
         assert [client.poll(f"r{i}") for i in range(50)] == [i % 4 + 1 for i in range(50)]
-        assert client.counts() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+        assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     finally:
         client.close()
         rt.run(srv.close())

@@ -155,10 +155,18 @@ def test_a_typo_is_still_named() -> None:
         ("key_prefix", 7),
     ],
 )
-def test_lookup_config_from_mapping_checks_like_settings(key: str, value: Any) -> None:
+def test_lookup_config_comes_from_settings_checked_like_settings(key: str, value: Any) -> None:
+    """One parser: a lookup key's bad value is refused by Settings before any LookupConfig exists."""
     with pytest.raises(ConfigError) as info:
-        LookupConfig.from_mapping({"backend_url": "memory://", key: value})
+        LookupConfig.from_settings(Settings.from_extra_config({"backend_url": "memory://", key: value}))
     assert repr(key) in str(info.value)
+
+
+def test_lookup_config_from_extra_config_refuses_an_unknown_key() -> None:
+    """No second parser that skips what it does not know: an unknown key is an error naming it."""
+    with pytest.raises(ConfigError, match="unknown key 'lookup_timout'"):
+        extra = {"backend_url": "memory://", "lookup_timout": 1}
+        LookupConfig.from_settings(Settings.from_extra_config(extra))
 
 
 def test_parsers_refuse_what_the_url_table_could_overflow() -> None:
@@ -194,6 +202,9 @@ PREFIX = {
     "bench transfer": ["bench", "transfer"],
     "bench engine": ["bench", "engine"],
     "bench gpu": ["bench", "gpu"],
+    "bench ec-sim": ["bench", "ec-sim"],
+    "bench redis": ["bench", "redis"],
+    "bench mooncake": ["bench", "mooncake", "--url", "mooncake://127.0.0.1:1"],
 }
 UNTYPED_OK: set[tuple[str, str]] = set()
 

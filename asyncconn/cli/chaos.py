@@ -1,7 +1,8 @@
 """``asyncconn chaos``: both connectors on vLLM's real scheduler while the stack is broken on purpose.
 
 Starts its own ``redis-server`` and ``asyncconn lookup-server`` on free loopback ports, runs an E and two
-PD engines (:mod:`asyncconn.chaos`) for ``--duration`` seconds or ``--requests`` requests, injects faults,
+PD engines (:mod:`asyncconn.tools.chaos`)
+for ``--duration`` seconds or ``--requests`` requests, injects faults,
 checks the invariants, drains, checks for leaks, and prints the figures.
 
 Exit codes: 0 every invariant held and nothing leaked, 1 a violation or a leak (listed), 2 bad usage.
@@ -14,8 +15,8 @@ import json
 import logging
 from typing import Any
 
-from asyncconn.chaos.faults import DATA_FAULTS, SERVER_FAULTS
 from asyncconn.cli import _args
+from asyncconn.tools.chaos.faults import DATA_FAULTS, SERVER_FAULTS
 
 __all__ = ["add_arguments", "run"]
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         what = f"unknown fault kinds {unknown}" if unknown else "durations and counts must be > 0"
         print(f"asyncconn chaos: {what}")
         return 2
-    from asyncconn.chaos import ChaosConfig, run_chaos
+    from asyncconn.tools.chaos import ChaosConfig, run_chaos
 
     config = ChaosConfig(
         duration=args.duration,

@@ -3,8 +3,8 @@
 Runs each demo *part* -- a function returning ``{"title", "figures", "checks"}`` -- and prints the
 summaries; exits 1 if any check failed. Parts are listed in :data:`PARTS` by import path. The default
 parts, ``ec`` and ``kv``, run vLLM's real engine (docs/engine.md); ``ec-sim`` and ``kv-sim`` run vLLM's
-real scheduler with a simulated model runner (docs/simulator.md), in a second. ``--bench`` measures the
-EC connector's scheduler-side costs instead (docs/ec.md).
+real scheduler with a simulated model runner (docs/simulator.md), in a second.
+(The EC connector's scheduler-side costs are ``asyncconn bench ec-sim``.)
 
 Exit codes: 0 every check passed, 1 a check failed, 2 bad usage (an unknown part, a bad store URL).
 """
@@ -24,16 +24,17 @@ from typing import Any
 
 from asyncconn.cli import _args
 from asyncconn.exceptions import AsyncConnError
+from asyncconn.tools.demo.report import print_summary
 from asyncconn.url import redact
 
-__all__ = ["DEFAULT_PARTS", "PARTS", "add_arguments", "print_summary", "run"]
+__all__ = ["DEFAULT_PARTS", "PARTS", "add_arguments", "run"]
 
 #: name -> "module:function"; each function is called as fn(backend_url, workdir) -> summary dict.
 PARTS: dict[str, str] = {
-    "ec": "asyncconn.tools.engine_demo:ec_part",
-    "kv": "asyncconn.tools.engine_demo:kv_part",
-    "ec-sim": "asyncconn.vllm.ec_demo:run_ec_demo",
-    "kv-sim": "asyncconn.vllm.kv_demo:demo_part",
+    "ec": "asyncconn.tools.demo.engine:ec_part",
+    "kv": "asyncconn.tools.demo.engine:kv_part",
+    "ec-sim": "asyncconn.tools.demo.ec_sim:run_ec_demo",
+    "kv-sim": "asyncconn.tools.demo.kv_sim:demo_part",
 }
 #: What runs without ``--parts``: the real engine.
 DEFAULT_PARTS = ("ec", "kv")
@@ -53,28 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated parts to run, of {', '.join(PARTS)} (default: {','.join(DEFAULT_PARTS)})",
     )
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
-    parser.add_argument(
-        "--bench",
-        action="store_true",
-        help="measure ensure_cache_available / has_cache_item and PD step times instead of the demo",
-    )
-    parser.add_argument(
-        "--rounds", type=_args.count, default=3, help="--bench: interleaved rounds (default 3)"
-    )
 
 
 def _resolve(spec: str) -> Callable[..., dict[str, Any]]:
     module, _, name = spec.partition(":")
     fn: Callable[..., dict[str, Any]] = getattr(importlib.import_module(module), name)
     return fn
-
-
-def print_summary(summary: dict[str, Any]) -> None:
-    print(f"== {summary['title']} ==")
-    for name, value in summary.get("figures", {}).items():
-        print(f"  {name:<58} {value}")
-    for name, ok in summary.get("checks", {}).items():
-        print(f"  [{'PASS' if ok else 'FAIL'}] {name}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,12 +85,7 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         try:
-            if args.bench:
-                from asyncconn.vllm.ec_bench import run_ec_bench
-
-                summaries = [run_ec_bench(url, workdir, rounds=max(1, args.rounds))]
-            else:
-                summaries = [_resolve(PARTS[name])(url, workdir) for name in names]
+            summaries = [_resolve(PARTS[name])(url, workdir) for name in names]
         except AsyncConnError as exc:
             print(f"asyncconn demo: {exc}", file=sys.stderr)
             return 2

@@ -12,7 +12,6 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 
 __all__ = ["build_parser", "main"]
 
@@ -24,28 +23,25 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "lookup-server": ("asyncconn.cli.lookup_server", "serve Mooncake-framed lookups from a store over ZMQ"),
 }
 _BENCHES: dict[str, tuple[str, str]] = {
-    "backend": ("asyncconn.cli.bench_backend", "put/get/exists throughput and latency of a store"),
-    "lookup": ("asyncconn.cli.bench_lookup", "lookup client cost on the caller's thread and throughput"),
-    "transfer": ("asyncconn.cli.bench_transfer", "stream loader and save tracker figures"),
+    "backend": ("asyncconn.tools.bench.backend", "put/get/exists throughput and latency of a store"),
+    "lookup": ("asyncconn.tools.bench.lookup", "lookup client cost on the caller's thread and throughput"),
+    "transfer": ("asyncconn.tools.bench.transfer", "stream loader and save tracker figures"),
     "engine": (
-        "asyncconn.cli.bench_engine",
+        "asyncconn.tools.bench.engine",
         "vLLM's real engine: TTFT on a shared prefix vs recompute, decode with/without, EC per request",
     ),
-    "gpu": ("asyncconn.cli.bench_gpu", "KV load/save and EC install through the worker sides, on CUDA"),
+    "gpu": ("asyncconn.tools.bench.gpu", "KV load/save and EC install through the worker sides, on CUDA"),
     "kv": (
-        "asyncconn.cli.bench_kv",
+        "asyncconn.tools.bench.kv",
         "KV connector: schedule() with lookups, wait_for_save, blocks per value",
     ),
+    "ec-sim": (
+        "asyncconn.tools.bench.ec_sim",
+        "EC connector: ensure_cache_available / has_cache_item and PD step costs (offline engine)",
+    ),
+    "redis": ("asyncconn.tools.bench.redis", "redis:// side by side with redis-benchmark; eviction hit rate"),
+    "mooncake": ("asyncconn.tools.bench.mooncake", "mooncake:// side by side with the raw Mooncake client"),
 }
-
-
-def _module(path: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(path)
-    except ModuleNotFoundError as exc:
-        if exc.name == path:
-            return None  # not built yet in this version
-        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,18 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (path, help_text) in _COMMANDS.items():
-        module = _module(path)
-        if module is None:
-            continue
+        module = importlib.import_module(path)
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     bench = sub.add_parser("bench", help="benchmarks (figures go in docs/benchmarks.md)")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="WHAT")
     for name, (path, help_text) in _BENCHES.items():
-        module = _module(path)
-        if module is None:
-            continue
+        module = importlib.import_module(path)
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)

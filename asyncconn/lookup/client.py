@@ -249,7 +249,7 @@ class LookupClient(Generic[R]):
             return self.mode.miss(len(keys))
         return result
 
-    def counts(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         """Sizes of every internal structure (tests check that they come back to zero)."""
         return {
             "entries": len(self._entries),

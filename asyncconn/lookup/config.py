@@ -8,7 +8,6 @@ reached. Both set is allowed (the server wins for lookups; ``backend_url`` stays
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -27,65 +26,45 @@ R = TypeVar("R")
 
 @dataclass(frozen=True, repr=False)
 class LookupConfig:
-    """Every lookup option (documented in docs/lookup.md)."""
+    """Every lookup option (documented in docs/lookup.md), named as the ``extra_config`` key it comes from."""
 
     backend_url: str | None = None
     lookup_server: str | None = None
-    timeout: float = DEFAULT_TIMEOUT
+    lookup_timeout: float = DEFAULT_TIMEOUT
     key_prefix: str = ""
-    max_pending: int = 100_000
+    lookup_max_pending: int = 100_000
     #: CURVE public key of the lookup server (Z85 text or a key/certificate file); None: no CURVE.
-    server_key: str | None = None
-    #: Direct lookups: bound on connecting to the store when the client starts (None: ``timeout``).
+    lookup_server_key: str | None = None
+    #: Direct lookups: bound on connecting to the store when the client starts (None: ``lookup_timeout``).
     connect_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not self.backend_url and not self.lookup_server:
             raise ConfigError("lookup: set backend_url (direct lookups) or lookup_server (a ZMQ endpoint)")
-        if self.timeout <= 0:
-            raise ConfigError(f"lookup: bad value {self.timeout!r} for 'lookup_timeout': must be > 0")
+        if self.lookup_timeout <= 0:
+            raise ConfigError(f"lookup: bad value {self.lookup_timeout!r} for 'lookup_timeout': must be > 0")
         if self.connect_timeout is not None and self.connect_timeout <= 0:
             raise ConfigError(
                 f"lookup: bad value {self.connect_timeout!r} for 'connect_timeout': must be > 0"
             )
-        if self.max_pending <= 0:
-            raise ConfigError(f"lookup: bad value {self.max_pending!r} for 'lookup_max_pending': must be > 0")
+        if self.lookup_max_pending <= 0:
+            raise ConfigError(
+                f"lookup: bad value {self.lookup_max_pending!r} for 'lookup_max_pending': must be > 0"
+            )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LookupConfig:
-        """The lookup part of a connector's validated :class:`~asyncconn.config.Settings`."""
+        """The lookup part of a connector's validated :class:`~asyncconn.config.Settings`: the one way from
+        an ``extra_config`` to a lookup client (``Settings.from_extra_config`` refuses unknown keys)."""
         return cls(
             backend_url=settings.backend_url,
             lookup_server=settings.lookup_server,
-            timeout=settings.lookup_timeout,
+            lookup_timeout=settings.lookup_timeout,
             key_prefix=settings.key_prefix,
-            max_pending=settings.lookup_max_pending,
-            server_key=settings.lookup_server_key,
+            lookup_max_pending=settings.lookup_max_pending,
+            lookup_server_key=settings.lookup_server_key,
             connect_timeout=settings.connect_timeout,
         )
-
-    @classmethod
-    def from_mapping(cls, extra: Mapping[str, Any]) -> LookupConfig:
-        """Read ``backend_url``, ``lookup_server``, ``key_prefix``, ``lookup_timeout`` ("3s", "500ms" or
-        seconds), ``lookup_max_pending`` and ``connect_timeout`` from a connector's extra_config, each
-        checked as :class:`~asyncconn.config.Settings` checks it; other keys are ignored."""
-        names = {
-            "backend_url": "backend_url",
-            "lookup_server": "lookup_server",
-            "key_prefix": "key_prefix",
-            "lookup_timeout": "timeout",
-            "lookup_max_pending": "max_pending",
-            "connect_timeout": "connect_timeout",
-        }
-        kwargs = {
-            field_name: Settings.parse_value(key, extra[key])
-            for key, field_name in names.items()
-            if key in extra and not (extra[key] is None and key in ("backend_url", "lookup_server"))
-        }
-        return cls(**kwargs)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def __repr__(self) -> str:
         """The fields, with ``backend_url``'s password redacted (the dataclass repr would print it)."""
@@ -95,14 +74,14 @@ class LookupConfig:
     def transport(self) -> LookupTransport:
         if self.lookup_server:
             curve = None
-            if self.server_key:
-                curve = CurveClientKeys(load_key(self.server_key, what="lookup_server_key"))
+            if self.lookup_server_key:
+                curve = CurveClientKeys(load_key(self.lookup_server_key, what="lookup_server_key"))
             return ZmqTransport(self.lookup_server, curve=curve)
         assert self.backend_url is not None
         return DirectTransport(
             self.backend_url,
             key_prefix=self.key_prefix,
-            timeout=self.timeout,
+            timeout=self.lookup_timeout,
             connect_timeout=self.connect_timeout,
         )
 
@@ -112,7 +91,11 @@ def open_lookup_client(
 ) -> LookupClient[R]:
     """A started client for ``mode`` (``PREFIX`` for KV, ``EXISTS`` for EC) with the configured transport."""
     return LookupClient(
-        config.transport(), mode, runtime=runtime, timeout=config.timeout, max_pending=config.max_pending
+        config.transport(),
+        mode,
+        runtime=runtime,
+        timeout=config.lookup_timeout,
+        max_pending=config.lookup_max_pending,
     )
 
 

@@ -308,7 +308,7 @@ class LookupServer:
         """Batches being answered right now (tests count it back to zero)."""
         return len(self._tasks)
 
-    def held(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         """What the server holds now: request bytes, keys in the store, clients, queued requests."""
         return {
             "bytes": self._held_bytes,

@@ -83,11 +83,20 @@ def leading(present: Sequence[bool]) -> int:
         return len(present)
 
 
+#: How much longer than a lookup's deadline the direct transport's store calls may run (see below).
+STORE_SLACK_S = 0.25
+
+
 class DirectTransport(LookupTransport):
     """Ask the storage backend itself: one batched ``exists`` per drained batch (redis pipelines them).
 
     A batch is split into backend calls of at most ``max_batch_keys`` keys so that one huge burst cannot
     build one huge command; each call is its own task, so a slow call never delays the others.
+
+    The store calls it opens are bounded by ``timeout`` plus :data:`STORE_SLACK_S`: the client's deadline
+    (``timeout`` too) must be what decides that a lookup timed out, counted as a timeout. With equal bounds
+    the store's own expiry raced it and a frozen store was now and then counted as a store error; the late
+    store failure arrives after the client's deadline and is dropped as stale.
     """
 
     def __init__(
@@ -116,7 +125,9 @@ class DirectTransport(LookupTransport):
         if self._store is None:
             assert isinstance(self._store_or_url, str)
             self._store = await TensorStore.open(
-                self._store_or_url, timeout=self._timeout, connect_timeout=self.connect_timeout
+                self._store_or_url,
+                timeout=self._timeout + STORE_SLACK_S,
+                connect_timeout=self.connect_timeout,
             )
         self._kind, self._deliver = kind, deliver
 

@@ -1,5 +1,8 @@
-"""Operator tooling around the library: tiny local models, real vLLM engines, the demo's engine parts.
+"""Operator tooling around the library: everything the ``asyncconn`` command runs besides ``check`` and
+``lookup-server``.
 
-Nothing here is imported by the connectors vLLM loads; the dependency runs the other way
-(``tools -> vllm adapters -> core``).
+``tiny_models`` builds small random-weight models locally; ``engines`` runs vLLM's real engine in process;
+``demo`` holds the demo's parts; ``bench`` every benchmark; ``chaos`` the fault-injection harness. Nothing
+here is imported by the connectors vLLM loads: the dependency runs one way, tools -> simulator -> vLLM
+adapters -> core (tests/test_layout.py checks it).
 """

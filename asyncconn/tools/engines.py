@@ -207,7 +207,7 @@ class Probe:
         connector = self.ec_worker_connector()
         if connector is None:
             return
-        worker = connector.worker
+        worker = connector.worker_side
         deadline = time.monotonic() + timeout
         while True:
             worker.end_step()

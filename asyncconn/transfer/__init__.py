@@ -16,7 +16,7 @@ from asyncconn.transfer._device import (
     default_device,
     engine_devices,
 )
-from asyncconn.transfer.dest import BlockDest, Destination, NewTensor
+from asyncconn.transfer.dest import NewTensor
 from asyncconn.transfer.failures import Failure
 from asyncconn.transfer.lazy import LazyTensor, Pieces, Shared, Slice
 from asyncconn.transfer.loader import LoadResult, StreamLoader
@@ -26,10 +26,8 @@ from asyncconn.transfer.saver import SaveTracker
 __all__ = [
     "LOAD_PRIORITY",
     "SAVE_PRIORITY",
-    "BlockDest",
     "CpuDevice",
     "CudaDevice",
-    "Destination",
     "Failure",
     "LazyTensor",
     "LoadResult",

@@ -27,9 +27,9 @@ into staging, the copy thread filling a snapshot) raises. Every host buffer is t
 inference mode switched off (:func:`_normal_tensors`), whoever asks for it; so are device tensors the engines
 create, since a caller outside inference mode may write them later.
 
-Writes into memory we did not allocate (KV blocks in vLLM's cache) are ordered after the default-stream work
-queued *when the load was submitted* (an event recorded then, waited on by the side stream), not after work
-queued later, so they still overlap with the steps that follow. Every CUDA tensor a side-stream copy touches
+A copy given ``after`` (an event recorded on the default stream when the work was submitted, as a save's
+snapshot is) waits for the work queued by then only, not for work queued later, so it still overlaps with the
+steps that follow. Every CUDA tensor a side-stream copy touches
 is ``record_stream``-ed on the side stream, so its owner may free it (a finished request's KV block, a
 snapshotted activation) while the copy is still queued without the allocator handing the memory out early.
 """
@@ -42,7 +42,7 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import torch
 
@@ -141,9 +141,6 @@ class TransferDevice(abc.ABC):
 
     #: ``torch.device`` that loaded tensors land on.
     device: torch.device
-    #: Scatter KV runs from a device copy of the whole value rather than straight from host memory (a
-    #: strided host->device copy goes through a pageable temporary, synchronously).
-    scatter_via_device: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod
@@ -219,8 +216,6 @@ class CudaDevice(TransferDevice):
     ``priority`` is the side stream's (:data:`LOAD_PRIORITY` for a loader, :data:`SAVE_PRIORITY` for a
     save tracker); :attr:`priority` is the one CUDA granted after clamping.
     """
-
-    scatter_via_device: ClassVar[bool] = True
 
     def __init__(self, device: torch.device | str | int | None = None, *, priority: int = 0) -> None:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)

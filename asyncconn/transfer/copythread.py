@@ -54,8 +54,8 @@ class CopyThread:
     def start(self) -> None:
         """Start the thread now (idempotent; :meth:`post` starts it otherwise).
 
-        Why: ``Thread.start`` waits until the new thread runs -- measured up to 1.3-4.2 ms on a 2-vCPU VM --
-        so an owner on vLLM's hot path starts it at construction (engine start-up), not in the first step.
+        Why: ``Thread.start`` waits until the new thread runs (milliseconds on a loaded machine), so an owner
+        on vLLM's hot path starts it at construction (engine start-up), not in the first step.
         """
         if self._closed:
             raise TransferError(f"{self.name}: copy thread is closed")
@@ -101,8 +101,8 @@ def _yield_to_posters() -> None:
 
     Why: a job is posted from vLLM's thread, and waking this thread used to preempt the poster on its own
     CPU (the kernel favours a thread that wakes from sleep). A batch thread never preempts on wake-up; it
-    gets the same CPU share, just not in the middle of the poster's step. Measured in the KV save path on
-    a 2-vCPU VM: the ``post`` p50 fell from ~14 to ~6 us. Elsewhere this does nothing.
+    gets the same CPU share, just not in the middle of the poster's step, which keeps ``post`` cheap on a
+    machine with few cores. Elsewhere this does nothing.
     """
     setter = getattr(os, "sched_setscheduler", None)
     policy = getattr(os, "SCHED_BATCH", None)

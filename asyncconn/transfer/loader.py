@@ -48,7 +48,7 @@ from asyncconn.transfer._device import (
     default_device,
     single_thread_torch,
 )
-from asyncconn.transfer.dest import BlockDest, Destination, NewTensor
+from asyncconn.transfer.dest import NewTensor
 from asyncconn.transfer.failures import Failure, classify
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 
@@ -61,10 +61,7 @@ _QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
 
 @dataclass(slots=True)
 class LoadResult:
-    """One finished load: ``tensor`` is ready on the default stream, or ``failure`` says why there is none.
-
-    For a :class:`BlockDest` the blocks are filled in place and ``tensor`` is ``None``: check ``ok``.
-    """
+    """One finished load: ``tensor`` is ready on the default stream, or ``failure`` says why there is none."""
 
     key: str
     tensor: torch.Tensor | None
@@ -88,7 +85,6 @@ class _Fetched:
 
 class _Load:
     __slots__ = (
-        "after",
         "buf",
         "cancel_requested",
         "cancelled",
@@ -101,14 +97,13 @@ class _Load:
         "task",
     )
 
-    def __init__(self, key: str, dest: Destination) -> None:
+    def __init__(self, key: str, dest: NewTensor) -> None:
         self.key = key
         self.dest = dest
         self.state = _QUEUED
         self.buf: PinnedBuffer | None = None
         self.fetched: _Fetched | None = None  # written on the loop before the load is handed back
         self.event: Event | None = None
-        self.after: Event | None = None  # default-stream work to finish before writing KV blocks
         self.out: torch.Tensor | None = None
         self.cancelled = False  # worker-owned
         self.cancel_requested = False  # loop-owned
@@ -156,7 +151,7 @@ class StreamLoader:
         self.failures: collections.Counter[Failure] = collections.Counter()
 
     # -- public API ------------------------------------------------------------------------------------
-    def submit(self, key: str, dest: Destination) -> None:
+    def submit(self, key: str, dest: NewTensor) -> None:
         """Start loading ``key`` into ``dest``; its result comes back from a later :meth:`poll`.
 
         Raises :class:`DuplicateTransfer` if ``key`` is already loading (cancel it first), and
@@ -164,7 +159,7 @@ class StreamLoader:
         """
         self.submit_many([(key, dest)])
 
-    def submit_many(self, items: Iterable[tuple[str, Destination]]) -> None:
+    def submit_many(self, items: Iterable[tuple[str, NewTensor]]) -> None:
         """Submit several loads with one hand-off to the loop (one wake-up for a whole step's loads).
 
         All-or-nothing: every item is checked before any is queued.
@@ -176,18 +171,10 @@ class StreamLoader:
         for key, dest in items:
             if key in self._loads or key in keys:
                 raise DuplicateTransfer(f"{key!r} is already being loaded")
-            if not isinstance(dest, NewTensor | BlockDest):
-                raise TransferError(f"dest must be a NewTensor or a BlockDest, not {type(dest).__name__}")
-            if isinstance(dest, BlockDest) and dest.cache.device != self.device.device:
-                raise TransferError(
-                    f"KV cache is on {dest.cache.device}, the loader copies to {self.device.device}"
-                )
+            if not isinstance(dest, NewTensor):
+                raise TransferError(f"dest must be a NewTensor, not {type(dest).__name__}")
             keys.add(key)
             loads.append(_Load(key, dest))
-        if any(isinstance(load.dest, BlockDest) for load in loads):
-            after = self.device.mark()  # default-stream work queued so far may still use those blocks
-            for load in loads:
-                load.after = after
         for load in loads:
             self._loads[load.key] = load
             self._queued.append(load)
@@ -326,39 +313,19 @@ class StreamLoader:
         assert load.buf is not None
         value = load.buf.view(fetched.dtype, fetched.shape)
         try:
-            if isinstance(load.dest, BlockDest):
-                load.event = self.device.copy(self._scatter_pairs(load.dest, value), after=load.after)
-            else:
-                load.out = self.device.empty(fetched.shape, fetched.dtype)
-                load.event = self.device.copy([(load.out, value)])
+            load.out = self.device.empty(fetched.shape, fetched.dtype)
+            load.event = self.device.copy([(load.out, value)])
         except RuntimeError as exc:  # torch's device errors (out of memory included) are RuntimeErrors
             load.out = None
             self._release(load)
             self._fail(load, Failure.DEVICE_ERROR, f"{type(exc).__name__}: {exc}", results)
             return
-        load.after = None
         load.state = _COPYING
         self.events_out += 1
         if not self._copying and load.event.query():
             self._finish_copy(load, results)  # synchronous device: no need to wait for the next poll
         else:
             self._copying.append(load)
-
-    def _scatter_pairs(self, dest: BlockDest, value: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The copies that put ``value`` (host staging) into ``dest``'s blocks.
-
-        One contiguous run lands straight from pinned memory. Anything else (several runs, or K/V-first
-        layouts where a run is two strided regions) is copied whole into a device temporary at full H2D
-        speed and scattered device-to-device: a strided copy straight from host memory would go through a
-        pageable temporary, synchronously. The temporary lives on the side stream, so dropping it as soon
-        as the copies are queued is safe.
-        """
-        pairs = dest.pairs(value)
-        direct = len(pairs) == 1 and pairs[0][0].is_contiguous()
-        if direct or not self.device.scatter_via_device:
-            return pairs
-        staged = self.device.empty(value.shape, value.dtype)
-        return [(staged, value), *dest.pairs(staged)]
 
     def _finish_copy(self, load: _Load, results: list[LoadResult]) -> None:
         self.events_out -= 1
@@ -442,8 +409,6 @@ class StreamLoader:
     async def _fetch(self, load: _Load, buf: PinnedBuffer) -> _Fetched:
         """Read and validate ``load.key`` into ``buf``. Runs on the loop; touches no device state."""
         dest = load.dest
-        if isinstance(dest, BlockDest):
-            return await self._fetch_exact(load.key, buf, dest.cache.dtype, dest.value_shape)
         if dest.shape is not None and dest.dtype is not None:
             return await self._fetch_exact(load.key, buf, dest.dtype, dest.shape)
         return await self._fetch_any(load.key, buf)

@@ -126,7 +126,7 @@ class PinnedPool:
 
         ``lazy``: when no idle buffer fits, the new one's memory is allocated by whoever first touches
         ``storage``, not here. Why: the save tracker hands the step's staging span straight to its copy
-        thread, and a fresh span of a few MiB cost ~19 us p50 on vLLM's thread while an engine warmed up.
+        thread, and allocating (pinning) a fresh span of a few MiB is a cost vLLM's thread should not pay.
         Only one thread may touch a lazy buffer first (the borrower's ownership rule); a buffer left
         unallocated by its borrower is allocated by the next non-lazy :meth:`acquire`.
         """

@@ -10,13 +10,11 @@ not touch the loop. Two ways to snapshot, chosen by the device:
   waits on CUDA; the alternative -- the loop polling events on a timer -- would wake it for nothing most of
   the time.
 * **CPU with a copy thread** (the default on CPU): the copies are the expensive part there, so ``submit``
-  only queues the save and ``flush`` posts the step's saves to the tracker's :class:`CopyThread` as *one*
-  job. That thread evaluates lazy sources (:mod:`asyncconn.transfer.lazy`: the KV adapter's per-step gather),
-  copies into staging (torch releases the GIL meanwhile) and submits the put batches to the loop itself, so
-  the worker's ``flush`` is one queue put: no copy and no loop wake-up on the worker's thread. The thread
-  reports each job back through the same deque as the batches (job first, then its batches), so the worker
-  keeps sole ownership of every counter. ``wait_snapshots`` blocks until the copies reading given requests'
-  sources are done (preemption: their blocks are about to be reused).
+  only takes a staging buffer and queues the save, and ``flush`` posts the step's saves to the tracker's
+  :class:`CopyThread` as *one* job (:mod:`asyncconn.transfer.snapshot`), which copies, frames and submits
+  the put batches to the loop itself: the worker's ``flush`` is one queue put, no copy and no loop wake-up.
+  ``wait_snapshots`` blocks until the copies reading given requests' sources are done (preemption: their
+  blocks are about to be reused).
 
 ``submit_many(request_id, keys, values)`` is ``submit`` per value, cheaper on the caller's thread: with a copy
 thread and a :class:`~asyncconn.transfer.lazy.Pieces` of values (the KV adapter's step), the caller's thread
@@ -43,202 +41,56 @@ until the request is reported -- exactly the contract of vLLM's delayed block fr
 True). Freeing it is always safe. A lazy source (a :class:`LazyTensor`) is read when its copy runs: the copy
 thread evaluates every lazy source of a step in that step's job, even for saves still waiting for a buffer,
 so once ``wait_snapshots`` returns nothing reads the memory behind them any more.
+
+The parts, one job each:
+
+* this module -- :class:`SaveTracker`: the public API and the worker thread's bookkeeping (requests,
+  duplicates, staging buffers and the queue waiting for them, CUDA events, completion, ``close``);
+* :mod:`asyncconn.transfer.staging` -- :class:`~asyncconn.transfer.staging.Save`, one value on its way,
+  and where its snapshot is staged (a buffer of its own or a slice of a shared span);
+* :mod:`asyncconn.transfer.snapshot` -- the copy thread's jobs (CPU): evaluate, copy, frame, start puts;
+* :mod:`asyncconn.transfer.puts` -- put batches on the loop, handed back when the put task has ended.
+
+Threads. The tracker is called from one thread (vLLM's worker thread), which owns every structure here:
+requests, counters, the pool, the duplicate sets, the queues of saves. Other threads reach it only through
+``_done``, a deque they append to and the worker alone drains: the loop appends a batch whose put has
+ended (a done-callback), the copy thread a job it has finished (before that job's batches can follow).
+A save belongs to one thread at a time: the worker until it is posted in a copy job (then the copy thread's
+until the job is on ``_done``) or handed to the loop in a batch (then the put reads it, the worker reads
+only its request id, until the batch is on ``_done``). The other reads across threads, both of values that
+one thread writes and documented in :mod:`asyncconn.transfer.snapshot`: the worker reads a posted job's
+request ids (``CopyJob.reads``), and the copy thread reads ``Copier.cancelling``, a flag the worker sets
+once in ``close``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import contextlib
 import functools
 import logging
-import math
-import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
 
-from asyncconn import codec
 from asyncconn.exceptions import PoolTooSmall, RuntimeClosed, TransferError
-from asyncconn.runtime import LoopFuture, Runtime, get_runtime
+from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer._device import (
-    SAVE_PRIORITY,
-    CpuDevice,
-    Event,
-    TransferDevice,
-    default_device,
-    single_thread_torch,
-)
+from asyncconn.transfer._device import SAVE_PRIORITY, CpuDevice, TransferDevice, default_device
 from asyncconn.transfer.copythread import CopyThread
 from asyncconn.transfer.failures import Failure, RateLimitedLog, classify
 from asyncconn.transfer.lazy import LazyTensor, Pieces
-from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
+from asyncconn.transfer.pool import PinnedPool
+from asyncconn.transfer.puts import Batch, Putter
+from asyncconn.transfer.snapshot import Copier, CopyJob, Group
+from asyncconn.transfer.staging import Save, Source, Span, aligned
 
 __all__ = ["SaveTracker"]
 
 log = logging.getLogger(__name__)
-
-Source = torch.Tensor | LazyTensor
-
-
-class _Span:
-    """One staging buffer shared by a step's ``submit_many`` saves (one pool acquire for them all); back in
-    the pool once the last of them is complete."""
-
-    __slots__ = ("buf", "refs")
-
-    def __init__(self, buf: PinnedBuffer, refs: int) -> None:
-        self.buf = buf
-        self.refs = refs
-
-
-class _Group:
-    """The accepted values of one ``submit_many`` (copy-thread path), in a step's shared staging buffer.
-
-    The worker records only this -- request id, keys, which pieces were taken, where they start in the
-    span -- and the copy thread makes the :class:`_Save` objects (:meth:`expand`) while it runs the job: new
-    objects the worker first sees in the job's report, so each still has one owner at a time.
-    """
-
-    __slots__ = ("idents", "name", "nbytes", "offset", "request_id", "span", "taken", "values")
-
-    def __init__(
-        self,
-        request_id: str,
-        idents: Sequence[Hashable],
-        name: Callable[[Any], str] | None,
-        taken: list[int],
-        values: Pieces,
-        nbytes: int,
-    ) -> None:
-        self.request_id = request_id
-        self.idents = idents  # what duplicates are detected by; ``name(ident)`` is the store key
-        self.name = name
-        self.taken = taken
-        self.values = values
-        self.nbytes = nbytes  # bytes per save in the span (aligned)
-        self.span: _Span | None = None
-        self.offset = 0
-
-    def expand(self) -> list[_Save]:
-        """One :class:`_Save` per taken piece, staged at its slice of the span (when there is one)."""
-        rid, idents, name, values = self.request_id, self.idents, self.name, self.values
-        span, nbytes, offset = self.span, self.nbytes, self.offset
-        out: list[_Save] = []
-        for i in self.taken:
-            ident = idents[i]
-            save = _Save(rid, cast(str, ident) if name is None else name(ident), values, None, i)
-            save.ident = ident
-            if span is not None:
-                save.span = span
-                save.offset = offset
-                offset += nbytes
-            out.append(save)
-        return out
-
-
-class _Save:
-    __slots__ = (
-        "buf",
-        "dtype",
-        "event",
-        "header",
-        "ident",
-        "index",
-        "key",
-        "offset",
-        "producer",
-        "request_id",
-        "shape",
-        "source",
-        "span",
-    )
-
-    def __init__(
-        self, request_id: str, key: str, source: Source | Pieces, producer: Event | None, index: int = 0
-    ) -> None:
-        self.request_id = request_id
-        self.key = key
-        self.ident: Hashable = key  # duplicates are detected by this (``submit_many`` may name it otherwise)
-        # The caller's tensor (or lazy source; or the Pieces it is piece ``index`` of), until snapshotted.
-        self.source: Source | Pieces | None = source
-        self.index = index
-        self.dtype = source.dtype
-        self.shape = tuple(source.shape)
-        self.producer = producer  # "the kernels that wrote the tensor", recorded at submit (CUDA path)
-        self.buf: PinnedBuffer | None = None  # a staging buffer of its own, or
-        self.span: _Span | None = None  # bytes ``offset ..`` of a buffer shared with other saves
-        self.offset = 0
-        self.event: Event | None = None  # the snapshot copy (CUDA path)
-        self.header: bytes | None = None  # the staged bytes' frame header, when the copy thread made it
-
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def staging(self) -> torch.Tensor:
-        if self.span is not None:
-            start = self.offset
-            raw = self.span.buf.storage[start : start + self.nbytes()]
-            return raw.view(self.dtype).view(self.shape)
-        assert self.buf is not None
-        return self.buf.view(self.dtype, self.shape)
-
-
-class _Batch:
-    """Saves handed to the loop together; the worker learns the outcome when ``future`` is done."""
-
-    __slots__ = ("cancel_requested", "error", "future", "saves", "task")
-
-    def __init__(self, saves: list[_Save]) -> None:
-        self.saves = saves
-        self.future: LoopFuture[list[bool]] | None = None  # set by the thread that submits the batch
-        self.error: tuple[Failure, str] | None = None  # copy thread: the batch could not be submitted
-        self.cancel_requested = False  # loop-owned
-        self.task: asyncio.Task[list[bool]] | None = None  # loop-owned
-
-
-class _Job:
-    """One flush's snapshots, run by the copy thread; it fills ``failed`` and ``batches``, then ends.
-
-    ``touch`` are the lazy sources of saves still waiting for a staging buffer: evaluated here too, so the
-    memory behind them (KV blocks) is read during this job, not whenever a buffer frees up. ``_running`` is
-    a lock held from creation until the copy thread has finished the job (cheaper to make on the worker's
-    hot path than a ``threading.Event``); :meth:`wait` blocks on it.
-    """
-
-    __slots__ = ("_running", "batches", "failed", "groups", "saves", "touch")
-
-    def __init__(self, saves: list[_Save], touch: list[tuple[str, LazyTensor]], groups: list[_Group]) -> None:
-        self.saves = saves
-        self.touch = touch
-        self.groups = groups  # submit_many's saves, in one staging buffer: made into saves by the copy thread
-        self.failed: list[tuple[_Save, str]] = []
-        self.batches: list[_Batch] = []
-        self._running = threading.Lock()
-        self._running.acquire()
-
-    def reads(self, request_ids: set[str]) -> bool:
-        """Whether this job copies or evaluates a source of one of ``request_ids`` (off the hot path)."""
-        return (
-            any(s.request_id in request_ids for s in self.saves)
-            or any(g.request_id in request_ids for g in self.groups)
-            or any(rid in request_ids for rid, _ in self.touch)
-        )
-
-    def finish(self) -> None:
-        """Copy thread: the job is over (its report is on the deque already)."""
-        self._running.release()
-
-    def wait(self, timeout: float) -> bool:
-        """True once the copy thread has finished the job; waits up to ``timeout`` seconds."""
-        if not self._running.acquire(timeout=max(timeout, 0.0)):
-            return False
-        self._running.release()
-        return True
 
 
 class _Request:
@@ -287,22 +139,31 @@ class SaveTracker:
         self._thread = CopyThread("asyncconn-save-copy") if (on_cpu and copy_thread is not False) else None
         if self._thread is not None:
             self._thread.start()  # now, not in the first step's flush (starting a thread waits for it)
+        # Appended by the loop (batches whose put ended) and the copy thread (jobs); drained here only.
+        self._done: collections.deque[Batch | CopyJob] = collections.deque()
+        self._putter = Putter(
+            self.store, self.runtime, skip_existing=skip_existing, hand_back=self._done.append
+        )
+        self._copier = (
+            Copier(self.device, self._putter, put_batch, self._done.append)
+            if self._thread is not None
+            else None
+        )
         self._requests: dict[str, _Request] = {}
         self._finished: set[str] = set()  # all saves done, not reported yet
-        self._queued: collections.deque[_Save] = collections.deque()  # waiting for a staging buffer
-        self._copying: collections.deque[_Save] = collections.deque()  # snapshot issued, event not fired
-        self._staged: list[_Save] = []  # snapshot complete, not handed to the loop yet
-        self._step: list[_Save] = []  # copy thread: buffer taken, not posted yet
-        self._groups: list[_Group] = []  # copy thread: submit_many's values, one shared buffer at hand-off
-        self._touch: list[tuple[str, LazyTensor]] = []  # copy thread: lazy sources of queued saves
-        self._jobs: collections.deque[_Job] = collections.deque()  # posted, not reported back yet
-        self._batches: set[_Batch] = set()  # running on the loop
-        self._done: collections.deque[_Batch | _Job] = collections.deque()  # appended by other threads
+        self._queued: collections.deque[Save] = collections.deque()  # waiting for a staging buffer
+        self._copying: collections.deque[Save] = collections.deque()  # snapshot issued, event not fired
+        self._staged: list[Save] = []  # snapshot complete, not handed to the loop yet
+        # The next copy job (copy-thread path), the worker's until posted:
+        self._step: list[Save] = []  # buffer taken
+        self._groups: list[Group] = []  # submit_many's values, one shared buffer at hand-off
+        self._touch: list[tuple[str, LazyTensor]] = []  # lazy sources of queued saves
+        self._jobs: collections.deque[CopyJob] = collections.deque()  # posted, not reported back yet
+        self._batches: set[Batch] = set()  # running on the loop
         self._recent: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self._inflight_keys: set[Hashable] = set()
         self._failure_log = RateLimitedLog(log)  # a store that is down fails every batch: not a line each
         self._closed = False
-        self._cancelling = False  # read by the copy thread: past close()'s grace period, start no puts
         # Leak counters.
         self.buffers_out = 0
         self.events_out = 0
@@ -343,9 +204,9 @@ class SaveTracker:
         if self._thread is None:
             if not isinstance(tensor, torch.Tensor):
                 tensor = tensor()
-            save = _Save(request_id, key, tensor, self.device.mark())
+            save = Save(request_id, key, tensor, self.device.mark())
         else:
-            save = _Save(request_id, key, tensor, None)
+            save = Save(request_id, key, tensor, None)
         if self._queued or not self._snapshot(save):
             self._queued.append(save)
             if self._thread is not None and not isinstance(tensor, torch.Tensor):
@@ -402,7 +263,7 @@ class SaveTracker:
             return 0
         self._finished.discard(request_id)
         request.pending += len(taken)
-        group = _Group(request_id, keys, name, taken, values, _aligned(values.nbytes))
+        group = Group(request_id, keys, name, taken, values, aligned(values.nbytes))
         if self._queued:  # saves are waiting for buffers already: these queue behind them, one by one
             for save in group.expand():
                 self._stage_one(save)
@@ -517,19 +378,20 @@ class SaveTracker:
             return
         self._closed = True
         self.wait(list(self._requests), timeout)
-        self._cancelling = True
+        if self._copier is not None:
+            self._copier.cancelling = True  # read by the copy thread: start no more puts
         deadline = time.monotonic() + timeout
         for save in self._queued:
             self._complete(save, Failure.STORE_ERROR, "tracker closed before the save started")
         self._queued.clear()
         self._touch.clear()
-        cancelled: set[_Batch] = set()
+        cancelled: set[Batch] = set()
         while True:
             self._progress()
             for batch in self._batches - cancelled:
                 cancelled.add(batch)
                 with contextlib.suppress(RuntimeClosed):
-                    self.runtime.call_soon(_cancel_on_loop, batch)
+                    self._putter.cancel(batch)
             if not (self.futures_pending or self.events_out or self._jobs):
                 break
             if time.monotonic() >= deadline:
@@ -548,7 +410,7 @@ class SaveTracker:
     def _progress(self) -> None:
         while self._done:
             item = self._done.popleft()
-            if isinstance(item, _Job):
+            if isinstance(item, CopyJob):
                 self._on_job_done(item)
             else:
                 self._on_batch_done(item)
@@ -572,7 +434,7 @@ class SaveTracker:
         for start in range(0, len(staged), self.put_batch):
             self._start_batch(staged[start : start + self.put_batch])
 
-    def _snapshot(self, save: _Save) -> bool:
+    def _snapshot(self, save: Save) -> bool:
         """Take a staging buffer and copy (or stage the copy); False when no buffer is free now."""
         try:
             buf = self.pool.acquire(save.nbytes())
@@ -621,7 +483,7 @@ class SaveTracker:
             buf = None  # one by one, each value may still fit (or fail TOO_LARGE alone)
         if buf is not None:
             self.buffers_out += 1
-            span = _Span(buf, count)
+            span = Span(buf, count)
             for group in groups:
                 group.span = span
             return  # posted with the job: the copy thread makes their saves
@@ -630,7 +492,7 @@ class SaveTracker:
             for save in group.expand():
                 self._stage_one(save)
 
-    def _stage_one(self, save: _Save) -> None:
+    def _stage_one(self, save: Save) -> None:
         """With a copy thread: a buffer of its own for ``save`` now, else the queue (its lazy source is
         evaluated by the step's job all the same)."""
         if self._queued or not self._snapshot(save):
@@ -642,18 +504,18 @@ class SaveTracker:
                 self._touch.append((save.request_id, source))
 
     def _post_job(self) -> None:
-        assert self._thread is not None
-        job = _Job(self._step, self._touch, self._groups)
+        assert self._thread is not None and self._copier is not None
+        job = CopyJob(self._step, self._touch, self._groups)
         self._step, self._touch, self._groups = [], [], []
         try:
-            self._thread.post(functools.partial(self._run_job, job))
+            self._thread.post(functools.partial(self._copier.run, job))
         except TransferError as exc:  # the copy thread is closed: only after close()
-            for save in [*job.saves, *(s for g in job.groups for s in g.expand())]:
+            for save in job.all_saves():
                 self._complete(save, Failure.DEVICE_ERROR, str(exc))
             return
         self._jobs.append(job)
 
-    def _on_job_done(self, job: _Job) -> None:
+    def _on_job_done(self, job: CopyJob) -> None:
         first = self._jobs.popleft()
         assert first is job, "copy jobs are reported in the order they were posted"
         for save, detail in job.failed:
@@ -668,20 +530,19 @@ class SaveTracker:
                 self.futures_pending += 1
                 self._batches.add(batch)
 
-    def _start_batch(self, saves: list[_Save]) -> None:
-        batch = _Batch(saves)
+    def _start_batch(self, saves: list[Save]) -> None:
+        batch = Batch(saves)
         try:
-            future = self.runtime.submit(self._put_batch(batch))
+            self._putter.submit(batch)
         except RuntimeClosed as exc:
             for save in saves:
                 self._complete(save, Failure.STORE_ERROR, f"runtime closed: {exc}")
             return
-        batch.future = future
         self.futures_pending += 1
         self._batches.add(batch)
-        future.add_done_callback(functools.partial(_enqueue, self._done, batch))
+        self._putter.hand_back_when_done(batch)
 
-    def _on_batch_done(self, batch: _Batch) -> None:
+    def _on_batch_done(self, batch: Batch) -> None:
         future, batch.future = batch.future, None
         assert future is not None and future.done()
         self.futures_pending -= 1
@@ -710,7 +571,7 @@ class SaveTracker:
             self._remember(save.ident)
             self._complete(save, None, "")
 
-    def _complete(self, save: _Save, failure: Failure | None, detail: str, *, quiet: bool = False) -> None:
+    def _complete(self, save: Save, failure: Failure | None, detail: str, *, quiet: bool = False) -> None:
         """Release everything the save holds and count it against its request."""
         if save.buf is not None:
             self.pool.release(save.buf)
@@ -755,100 +616,3 @@ class SaveTracker:
         self._recent.move_to_end(key)
         while len(self._recent) > self.recent_keys:
             self._recent.popitem(last=False)
-
-    # -- copy thread -----------------------------------------------------------------------------------
-    def _run_job(self, job: _Job) -> None:
-        """Evaluate, copy into staging, submit the puts; then report the job to the worker.
-
-        Runs on the copy thread. It touches only the job, its saves (owned by the job until reported) and
-        the thread-safe runtime and deque; the worker learns everything from the job object.
-        """
-        for _, lazy in job.touch:
-            # The gather behind a queued save, run while its memory is valid; a failure here comes back as
-            # that save's own copy failure later.
-            with contextlib.suppress(Exception):
-                lazy()
-        ok: list[_Save] = []
-        saves = job.saves
-        if job.groups:
-            saves = [*saves, *(s for g in job.groups for s in g.expand())]
-        for save in saves:
-            source, save.source = save.source, None
-            try:
-                assert source is not None
-                if isinstance(source, torch.Tensor):
-                    tensor = source
-                elif isinstance(source, Pieces):
-                    tensor = source.tensor(save.index)
-                else:
-                    tensor = source()
-                staging = save.staging()
-                self.device.copy([(staging, tensor)])
-            except Exception as exc:  # a device error, or a lazy source that could not be computed
-                job.failed.append((save, f"{type(exc).__name__}: {exc}"))
-            else:
-                # The frame header (its checksum is a pass over every byte) is made here, not on the loop
-                # thread when the put starts (measured: framing took the loop 159-201 us per MiB saved).
-                save.header = codec.encode_parts(staging, key=save.key)[0]
-                ok.append(save)
-        for start in range(0, len(ok), self.put_batch):
-            batch = _Batch(ok[start : start + self.put_batch])
-            job.batches.append(batch)
-            if self._cancelling:
-                batch.error = (Failure.STORE_ERROR, "tracker closed before the put started")
-                continue
-            try:
-                batch.future = self.runtime.submit(self._put_batch(batch))
-            except RuntimeClosed as exc:
-                batch.error = (Failure.STORE_ERROR, f"runtime closed: {exc}")
-            except Exception as exc:  # anything else must still come back as a failure, never a lost job
-                batch.error = classify(exc)
-        # The job goes on the deque before any of its batches can (their callbacks are added after), so the
-        # worker always registers a batch before it sees the batch done.
-        self._done.append(job)
-        job.finish()
-        for batch in job.batches:
-            if batch.future is not None:
-                batch.future.add_done_callback(functools.partial(_enqueue, self._done, batch))
-
-    # -- loop side -------------------------------------------------------------------------------------
-    async def _put_batch(self, batch: _Batch) -> list[bool]:
-        """Write the staged tensors that the store lacks; per save, True if it was already there.
-
-        Runs on the loop. The staging buffers stay on loan until this has returned (the worker releases them
-        when it sees the future done), so nothing can overwrite bytes that a put is still sending.
-        """
-        single_thread_torch()  # the loop's own copies must not start an OpenMP team beside the engine's
-        if batch.cancel_requested:
-            raise asyncio.CancelledError
-        batch.task = asyncio.current_task()  # type: ignore[assignment]
-        try:
-            keys = [s.key for s in batch.saves]
-            present = await self.store.exists(keys) if self.skip_existing else [False] * len(keys)
-            todo = [s for s, there in zip(batch.saves, present, strict=True) if not there]
-            if todo and all(s.header is not None for s in todo):  # framed by the copy thread already
-                await self.store.put_frames(
-                    [(s.key, s.header, codec.tensor_bytes(s.staging())) for s in todo if s.header is not None]
-                )
-            elif todo:
-                await self.store.put([(s.key, s.staging()) for s in todo])
-            return list(present)
-        finally:
-            batch.task = None
-
-
-def _aligned(nbytes: int) -> int:
-    """Bytes a save takes in a shared staging buffer: rounded up to 64, so every view is aligned."""
-    return (nbytes + 63) & ~63
-
-
-def _cancel_on_loop(batch: _Batch) -> None:
-    batch.cancel_requested = True
-    if batch.task is not None:
-        batch.task.cancel()
-
-
-def _enqueue(queue: collections.deque[_Batch | _Job], batch: _Batch, _future: object) -> None:
-    """The batch future's done-callback, on the loop thread once the put task has really ended: hand the
-    batch to the worker (``deque.append`` is thread-safe), which drains the deque instead of scanning."""
-    queue.append(batch)

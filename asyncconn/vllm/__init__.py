@@ -57,8 +57,8 @@ from typing import Any
 __all__ = ["AsyncConnECConnector", "AsyncConnKVConnector"]
 
 _LAZY = {
-    "AsyncConnECConnector": "asyncconn.vllm.ec_connector",
-    "AsyncConnKVConnector": "asyncconn.vllm.kv_connector",
+    "AsyncConnECConnector": "asyncconn.vllm.ec.connector",
+    "AsyncConnKVConnector": "asyncconn.vllm.kv.connector",
 }
 
 

@@ -3,7 +3,7 @@ not installed at all.
 
 Why: the worker side (loads, saves, KV scatter and gather) is proven on GPU machines that cannot carry vLLM
 (its wheel is far larger than what a run may bring along). The connector facades still import vLLM itself,
-and wherever vLLM is installed :mod:`asyncconn.vllm.kv_meta` uses vLLM's own classes, so what vLLM sees is
+and wherever vLLM is installed :mod:`asyncconn.vllm.kv.metadata` uses vLLM's own classes, so what vLLM sees is
 unchanged. These have the same shape: an empty metadata base, and a stats base holding ``data``.
 """
 

@@ -122,10 +122,10 @@ def kv_prom_metrics(
     labelnames: list[str],
     per_engine_labelvalues: dict[int, list[object]],
 ) -> Any:
-    """``AsyncConnKVConnector.build_prom_metrics``: every counter of :data:`kv_meta.COUNTERS`."""
+    """``AsyncConnKVConnector.build_prom_metrics``: every counter of ``kv.metadata.COUNTERS``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-    from asyncconn.vllm.kv_meta import COUNTERS
+    from asyncconn.vllm.kv.metadata import COUNTERS
 
     args = (vllm_config, metric_types, labelnames, per_engine_labelvalues)
     return _prom_metrics(KVConnectorPromMetrics, "kv", COUNTERS, *args)

@@ -36,8 +36,8 @@ def assert_idle(probe: Probe) -> None:
     probe.settle()
     worker = probe.kv_worker_connector()
     assert worker is not None
-    assert set(worker.worker_side.counts().values()) == {0}, worker.worker_side.counts()
+    assert set(worker.worker_side.counters().values()) == {0}, worker.worker_side.counters()
     scheduler = probe.kv_scheduler_connector()
-    assert set(scheduler.scheduler_side.counts().values()) == {0}, scheduler.scheduler_side.counts()
+    assert set(scheduler.scheduler_side.counters().values()) == {0}, scheduler.scheduler_side.counters()
     free, total = probe.free_blocks()
     assert free == total

@@ -76,8 +76,8 @@ def run(model: Path, role: str | None, url: str, params: list[Any] | None = None
         probe.ec_saves_done()
         out: dict[str, Any] = {"tokens": token_ids(outputs), "params": ec_params(outputs), "encoded": encoded}
         if role is not None:
-            scheduler = probe.ec_scheduler_connector().scheduler
-            worker = probe.ec_worker_connector().worker
+            scheduler = probe.ec_scheduler_connector().scheduler_side
+            worker = probe.ec_worker_connector().worker_side
             worker.poll()
             out["scheduler_counters"] = scheduler.counters()
             out["worker_counters"] = worker.counters()

@@ -67,7 +67,7 @@ def test_aborts_while_a_lookup_a_load_or_a_save_is_in_flight(
             engine.step()
             time.sleep(0.01)
         assert status_of(probe, "lookup") == "WAITING"
-        assert probe.kv_scheduler_connector().scheduler_side.counts()["lookup_entries"] == 1
+        assert probe.kv_scheduler_connector().scheduler_side.counters()["lookup_entries"] == 1
         engine.abort_request(["lookup"])
         engine.step()
     finally:

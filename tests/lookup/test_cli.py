@@ -140,6 +140,7 @@ def test_lookup_server_gives_up_on_a_store_that_stays_down() -> None:
     assert "cannot open" in done.stderr.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_bench_lookup_json_smoke() -> None:
     done = subprocess.run(
         [

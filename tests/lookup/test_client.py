@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncconn.config import Settings
 from asyncconn.exceptions import ConfigError, LoopThreadBlocked, RuntimeClosed
 from asyncconn.lookup import EXISTS, PREFIX, LookupClient, LookupConfig
 from asyncconn.runtime import Runtime
@@ -42,7 +43,7 @@ def test_submit_poll_consumes_exactly_once(rt: Runtime) -> None:
     rt.run(fake.answer(wid))
     assert client.poll("r1") == 4
     assert client.poll("r1") is None  # consumed
-    assert client.counts() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+    assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     snap = client.metrics.snapshot()
     assert (snap["submitted"], snap["completed"], snap["hits"], snap["keys_hit"]) == (1, 1, 1, 4)
     client.close()
@@ -84,7 +85,7 @@ def test_discard_before_the_loop_drains(rt: Runtime) -> None:
     client.discard("r")
     rt.run(noop())
     assert fake.sent == 0
-    assert client.counts()["inflight"] == 0
+    assert client.counters()["inflight"] == 0
     client.close()
 
 
@@ -113,7 +114,7 @@ def test_timeout_resolves_as_miss_and_late_answer_is_dropped(rt: Runtime) -> Non
     rt.run(fake.answer_all())
     assert client.metrics.stale == 1
     assert client.poll("r") is None
-    assert client.counts()["inflight"] == 0
+    assert client.counters()["inflight"] == 0
     client.close()
 
 
@@ -142,7 +143,7 @@ def test_sync_mode_returns_the_answer(rt: Runtime) -> None:
     t.start()
     assert client.lookup_sync("r", keys_for(4)) == 5
     t.join()
-    assert client.counts()["entries"] == 0
+    assert client.counters()["entries"] == 0
     client.close()
 
 
@@ -175,7 +176,7 @@ def test_close_releases_everything_and_refuses_new_work(rt: Runtime) -> None:
     client.close()
     client.close()
     assert fake.closed
-    assert client.counts() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+    assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     with pytest.raises(RuntimeClosed):
         client.submit("x", [b"k"])
 
@@ -185,11 +186,11 @@ def test_ten_thousand_outstanding_released_after_discard(rt: Runtime) -> None:
     for i in range(10_000):
         client.submit(f"r{i}", [b"a", b"b"])
     rt.run(noop())
-    assert client.counts()["inflight"] == 10_000
+    assert client.counters()["inflight"] == 10_000
     for i in range(10_000):
         client.discard(f"r{i}")
     rt.run(noop())
-    assert client.counts() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+    assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     rt.run(fake.answer_all())
     assert client.metrics.stale == 10_000
     client.close()
@@ -215,12 +216,14 @@ def test_config_chooses_transport() -> None:
     assert isinstance(
         LookupConfig(backend_url="memory://", lookup_server="tcp://127.0.0.1:1").transport(), ZmqTransport
     )
-    cfg = LookupConfig.from_mapping({"lookup_server": "ipc:///tmp/x", "lookup_timeout": "250ms"})
-    assert cfg.timeout == 0.25
+    cfg = LookupConfig.from_settings(
+        Settings.from_extra_config({"lookup_server": "ipc:///tmp/x", "lookup_timeout": "250ms"})
+    )
+    assert cfg.lookup_timeout == 0.25 and isinstance(cfg.transport(), ZmqTransport)
     with pytest.raises(ConfigError):
         LookupConfig()
     with pytest.raises(ConfigError, match="lookup_timeout"):
-        LookupConfig.from_mapping({"backend_url": "memory://", "lookup_timeout": "soon"})
+        Settings.from_extra_config({"backend_url": "memory://", "lookup_timeout": "soon"})
     with pytest.raises(ConfigError, match="endpoint"):
         ZmqTransport("127.0.0.1:5570")
 
@@ -279,7 +282,7 @@ def test_no_stale_result_and_nothing_left_behind(rt: Runtime, ops: list[tuple[st
     rt.run(fake.answer_all())  # every late answer arrives after its request is gone
     for rid in RIDS:
         assert client.poll(rid) is None
-    assert client.counts() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+    assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     assert not fake.pending
     client.close()
 

@@ -50,7 +50,7 @@ def test_memory_backend_prefix_and_exists(rt: Runtime) -> None:
     finally:
         kv.close()
         ec.close()
-    assert kv.counts()["transport"] == 0
+    assert kv.counters()["transport"] == 0
 
 
 def test_store_failure_is_an_error_miss(rt: Runtime) -> None:
@@ -89,7 +89,7 @@ def test_batches_are_split(rt: Runtime) -> None:
 def test_real_redis_pipelined_exists(rt: Runtime, redis_server: RedisServer) -> None:
     prefix = f"lk-{uuid.uuid4().hex[:8]}:"
     seed(rt, redis_server.url, [store_key(prefix, h) for h in HASHES[:4]] + [prefix + "mm-x"])
-    cfg = LookupConfig(backend_url=redis_server.url, key_prefix=prefix, timeout=5.0)
+    cfg = LookupConfig(backend_url=redis_server.url, key_prefix=prefix, lookup_timeout=5.0)
     kv = open_lookup_client(cfg, PREFIX, runtime=rt)
     ec = open_lookup_client(cfg, EXISTS, runtime=rt)
     try:
@@ -98,7 +98,7 @@ def test_real_redis_pipelined_exists(rt: Runtime, redis_server: RedisServer) -> 
         wait_until(lambda: kv.metrics.completed == 300)
         assert all(kv.poll(f"r{i}") == min(i % 7, 4) for i in range(300))
         assert ec.lookup_sync("e", ["mm-x", "mm-y"]) == (True, False)
-        assert kv.counts() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+        assert kv.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     finally:
         kv.close()
         ec.close()
@@ -107,7 +107,7 @@ def test_real_redis_pipelined_exists(rt: Runtime, redis_server: RedisServer) -> 
 @pytest.mark.redis
 def test_paused_redis_times_out_to_misses_then_recovers(rt: Runtime, fresh_redis: RedisServer) -> None:
     seed(rt, fresh_redis.url, [store_key("", h) for h in HASHES[:2]])
-    kv = open_lookup_client(LookupConfig(backend_url=fresh_redis.url, timeout=0.5), PREFIX, runtime=rt)
+    kv = open_lookup_client(LookupConfig(backend_url=fresh_redis.url, lookup_timeout=0.5), PREFIX, runtime=rt)
     try:
         assert kv.lookup_sync("warm", HASHES) == 2
         fresh_redis.pause()
@@ -119,6 +119,6 @@ def test_paused_redis_times_out_to_misses_then_recovers(rt: Runtime, fresh_redis
         finally:
             fresh_redis.resume()
         wait_until(lambda: kv.lookup_sync(f"again-{uuid.uuid4().hex}", HASHES) == 2)
-        wait_until(lambda: kv.counts()["transport"] == 0)
+        wait_until(lambda: kv.counters()["transport"] == 0)
     finally:
         kv.close()

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from asyncconn_backends.memory import MemoryBackend
 
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from backends.memory import MemoryBackend
 from tests.transfer.fakes import GatedBackend
 
 

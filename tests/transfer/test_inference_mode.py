@@ -13,7 +13,6 @@ import torch
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import (
-    BlockDest,
     CpuDevice,
     NewTensor,
     PinnedPool,
@@ -69,8 +68,8 @@ def test_a_save_submitted_under_inference_mode_is_stored(runtime: Runtime, store
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda unavailable)")
 def test_the_cuda_path_under_inference_mode(runtime: Runtime, store: TensorStore) -> None:
-    """The same trap on CUDA: pinned staging, loaded tensors and the scatter temporary are normal tensors,
-    and loads and saves issued from an inference-mode thread land."""
+    """The same trap on CUDA: pinned staging and loaded tensors are normal tensors, and loads and saves
+    issued from an inference-mode thread land."""
     load_device, save_device = engine_devices("cuda")
     with torch.inference_mode():
         host = load_device.alloc_host(64)
@@ -80,9 +79,7 @@ def test_the_cuda_path_under_inference_mode(runtime: Runtime, store: TensorStore
     out.zero_()
 
     emb = torch.randn(5, 7)
-    blocks = torch.randn(2, 3, 4, 8).to(torch.float16)  # [K/V, 3 blocks, ...]
-    runtime.run(store.put([("emb", emb), ("blocks", blocks), ("any", emb[:2])]))
-    cache = torch.zeros(2, 16, 4, 8, dtype=torch.float16, device="cuda")
+    runtime.run(store.put([("emb", emb), ("any", emb[:2])]))
     loader = StreamLoader(
         store, runtime=runtime, device=load_device, pool=PinnedPool(1 << 20, device=load_device)
     )
@@ -92,8 +89,7 @@ def test_the_cuda_path_under_inference_mode(runtime: Runtime, store: TensorStore
     with torch.inference_mode():
         loader.submit("emb", NewTensor(tuple(emb.shape), emb.dtype))
         loader.submit("any", NewTensor(max_nbytes=4096))
-        loader.submit("blocks", BlockDest(cache, (9, 2, 5), dim=1))  # scattered through a device temporary
-        results = drain_loads(loader, 3)
+        results = drain_loads(loader, 2)
         value = torch.randn(4, 8, device="cuda")  # an inference tensor, like vLLM's encoder outputs
         assert tracker.submit("req", "saved", value)
         tracker.flush()
@@ -103,10 +99,6 @@ def test_the_cuda_path_under_inference_mode(runtime: Runtime, store: TensorStore
         assert results[key].ok and tensor is not None, results[key].detail
         assert tensor.is_cuda and not tensor.is_inference()
         assert same_bytes(tensor.cpu(), expected)
-    assert results["blocks"].ok, results["blocks"].detail
-    torch.cuda.synchronize()
-    for i, block in enumerate((9, 2, 5)):
-        assert same_bytes(cache[:, block].cpu(), blocks[:, i])
     (back,) = runtime.run(store.get(["saved"]))
     assert back is not None and same_bytes(back, value.cpu())
     loader.close()

@@ -1,4 +1,4 @@
-"""StreamLoader on the CPU device: new tensors, KV scatters, failures as values, cancel, back-pressure."""
+"""StreamLoader on the CPU device: new tensors, failures as values, cancel, back-pressure."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import time
 
 import pytest
 import torch
+from asyncconn_backends.memory import MemoryBackend
 
 from asyncconn import codec
 from asyncconn.exceptions import ConfigError, DuplicateTransfer, TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import BlockDest, CpuDevice, Failure, NewTensor, PinnedPool, StreamLoader
-from backends.memory import MemoryBackend
+from asyncconn.transfer import CpuDevice, Failure, NewTensor, PinnedPool, StreamLoader
 from tests.transfer.fakes import GatedBackend
 from tests.transfer.helpers import drain_loads, same_bytes, wait_until
 
@@ -70,81 +70,9 @@ def test_the_returned_tensor_does_not_alias_the_staging_buffer(runtime: Runtime,
     assert loader.pool.allocations == 1
 
 
-def test_scatter_into_kv_blocks_along_dim0(runtime: Runtime, store: TensorStore) -> None:
-    cache = torch.zeros(10, 4, 2)
-    value = torch.randn(4, 4, 2)
-    runtime.run(store.put([("layer0", value)]))
-    loader = make_loader(store, runtime)
-    ids = (7, 2, 3, 4)  # runs: [7], [2, 3, 4]
-    loader.submit("layer0", BlockDest(cache, ids))
-    (result,) = drain_loads(loader, 1).values()
-    assert result.ok and result.tensor is None
-    for i, block in enumerate(ids):
-        assert same_bytes(cache[block], value[i])
-    untouched = [b for b in range(10) if b not in ids]
-    assert torch.count_nonzero(cache[untouched]) == 0
-    assert_idle(loader)
-
-
-def test_scatter_into_kv_blocks_along_dim1_kv_layout(runtime: Runtime, store: TensorStore) -> None:
-    cache = torch.zeros(2, 8, 3, 5, dtype=torch.float16)  # [K/V, num_blocks, block_size, head]
-    value = torch.randn(2, 3, 3, 5).to(torch.float16)
-    runtime.run(store.put([("layer1", value)]))
-    loader = make_loader(store, runtime)
-    loader.submit("layer1", BlockDest(cache, [5, 0, 1], dim=1))
-    assert drain_loads(loader, 1)["layer1"].ok
-    assert same_bytes(cache[:, 5], value[:, 0])
-    assert same_bytes(cache[:, 0:2], value[:, 1:3])
-    assert torch.count_nonzero(cache[:, 2:5]) == 0 and torch.count_nonzero(cache[:, 6:]) == 0
-
-
-class _ScatterViaDevice(CpuDevice):
-    """The CUDA scatter strategy (whole value to a device temporary, then runs) run on CPU tensors."""
-
-    scatter_via_device = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.copies: list[int] = []
-
-    def copy(self, pairs, *, after=None):  # type: ignore[no-untyped-def]
-        self.copies.append(len(pairs))
-        return super().copy(pairs, after=after)
-
-
-def test_scatter_via_a_device_temporary_lands_the_same_bytes(runtime: Runtime, store: TensorStore) -> None:
-    cache = torch.zeros(2, 8, 3, 5)
-    value = torch.randn(2, 3, 3, 5)
-    runtime.run(store.put([("layer", value)]))
-    device = _ScatterViaDevice()
-    loader = StreamLoader(store, runtime=runtime, device=device, pool=PinnedPool(1 << 20))
-    loader.submit("layer", BlockDest(cache, (6, 0, 1), dim=1))
-    assert drain_loads(loader, 1)["layer"].ok
-    assert device.copies == [1 + 2]  # one H2D of the whole value, then one copy per run
-    assert same_bytes(cache[:, 6], value[:, 0]) and same_bytes(cache[:, 0:2], value[:, 1:3])
-    assert torch.count_nonzero(cache[:, 2:6]) == 0 and torch.count_nonzero(cache[:, 7]) == 0
-    flat = torch.zeros(8, 4)
-    runtime.run(store.put([("run", torch.ones(2, 4))]))
-    loader.submit("run", BlockDest(flat, (3, 4)))
-    assert drain_loads(loader, 1)["run"].ok
-    assert device.copies[-1] == 1  # one contiguous run: straight from staging
-    assert torch.equal(flat[3:5], torch.ones(2, 4)) and torch.count_nonzero(flat) == 8
-    assert_idle(loader)
-
-
-def test_block_dest_merges_consecutive_ids_into_runs() -> None:
-    dest = BlockDest(torch.zeros(16, 2), (3, 4, 5, 9, 10, 0))
-    assert dest.runs == ((0, 3, 3), (3, 9, 2), (5, 0, 1))
-    assert dest.value_shape == (6, 2)
-
-
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: BlockDest(torch.zeros(4, 2), (4,)), "out of range"),
-        (lambda: BlockDest(torch.zeros(4, 2), (1, 1)), "repeats"),
-        (lambda: BlockDest(torch.zeros(4, 2), ()), "empty"),
-        (lambda: BlockDest(torch.zeros(4, 2), (0,), dim=2), "dim"),
         (lambda: NewTensor((3,), None), "both"),
         (lambda: NewTensor(), "max_nbytes"),
         (lambda: NewTensor((-1,), torch.float32), "negative"),
@@ -175,14 +103,13 @@ def test_corrupt_value_is_a_failure_and_never_reaches_the_destination(
     frame[-1] ^= 0xFF  # flip a payload bit: checksum mismatch
     runtime.run(store.backend.put([("flipped", bytes(frame)), ("garbage", b"not a frame at all")]))
     runtime.run(store.put([("wrong-dtype", good.to(torch.float16))]))
-    cache = torch.zeros(4, 8, 4)
     loader = make_loader(store, runtime)
-    loader.submit("flipped", BlockDest(cache, (1,)))
+    loader.submit("flipped", NewTensor((8, 4), torch.float32))
     loader.submit("garbage", NewTensor((8, 4), torch.float32))
     loader.submit("wrong-dtype", NewTensor((8, 4), torch.float32))
     results = drain_loads(loader, 3)
     assert {k: r.failure for k, r in results.items()} == dict.fromkeys(results, Failure.CORRUPT)
-    assert torch.count_nonzero(cache) == 0  # the flipped payload was never copied into the KV cache
+    assert all(r.tensor is None for r in results.values())  # no corrupt payload is ever handed out
     assert store.stats.corrupt == 3
     assert_idle(loader)
 
@@ -249,10 +176,10 @@ def test_duplicate_key_in_flight_is_refused_until_cancelled(
         loader.submit("k", NewTensor((4,), torch.float32))
 
 
-def test_kv_cache_on_another_device_is_refused(runtime: Runtime, store: TensorStore) -> None:
+def test_a_destination_other_than_new_tensor_is_refused(runtime: Runtime, store: TensorStore) -> None:
     loader = make_loader(store, runtime)
-    with pytest.raises(TransferError):
-        loader.submit("k", BlockDest(torch.zeros(4, 2, device="meta"), (0,)))
+    with pytest.raises(TransferError, match="NewTensor"):
+        loader.submit("k", torch.zeros(4, 2))  # type: ignore[arg-type]
     assert_idle(loader)
 
 

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from asyncconn_backends.memory import MemoryBackend
 
 from asyncconn import codec
 from asyncconn.exceptions import TransferError
@@ -18,7 +19,6 @@ from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, Failure, PinnedPool, SaveTracker
 from asyncconn.transfer.failures import RateLimitedLog
 from asyncconn.transfer.lazy import Pieces, Shared
-from backends.memory import MemoryBackend
 from tests.transfer.fakes import GatedBackend
 from tests.transfer.helpers import SAVER_IDLE, drain_saves, same_bytes
 

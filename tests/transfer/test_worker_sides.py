@@ -66,11 +66,11 @@ def test_engine_devices_are_two_devices() -> None:
 
 
 def test_ec_worker_gives_its_loader_and_saver_a_device_each(runtime: Runtime) -> None:
-    from asyncconn.vllm.ec_worker import ECWorker
+    from asyncconn.vllm.ec.worker import ECWorkerSide
 
     settings = Settings.from_extra_config({"backend_url": "memory://ec-owners", "pinned_pool_bytes": "1MiB"})
     device = CpuDevice()
-    worker = ECWorker(settings, producer=True, consumer=True, runtime=runtime, device=device)
+    worker = ECWorkerSide(settings, producer=True, consumer=True, runtime=runtime, device=device)
     try:
         assert worker.loader is not None and worker.saver is not None
         assert worker.loader.device is not worker.saver.device
@@ -80,8 +80,8 @@ def test_ec_worker_gives_its_loader_and_saver_a_device_each(runtime: Runtime) ->
 
 
 def test_kv_worker_refuses_a_loader_and_saver_sharing_a_device(runtime: Runtime, store: TensorStore) -> None:
-    from asyncconn.vllm.kv_keys import KeySpace, KVIdentity
-    from asyncconn.vllm.kv_worker import KVWorkerSide
+    from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+    from asyncconn.vllm.kv.worker import KVWorkerSide
 
     identity = KVIdentity("owners", "", "float16", "default", 16, 8, 128, ("l0",), 1, 2)
     device = CpuDevice()

@@ -49,9 +49,9 @@ def kv_round_trip(where: str) -> None:
     from asyncconn.runtime import Runtime
     from asyncconn.store import TensorStore
     from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_devices
-    from asyncconn.vllm.kv_keys import KeySpace, KVIdentity
-    from asyncconn.vllm.kv_meta import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
-    from asyncconn.vllm.kv_worker import KVWorkerSide
+    from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+    from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
+    from asyncconn.vllm.kv.worker import KVWorkerSide
 
     layers = [f"layer.{i}" for i in range(4)]
     identity = KVIdentity("worker-sides", "", "float16", "default", 16, 8, 128, tuple(layers), 1, 2)
@@ -106,7 +106,7 @@ def kv_round_trip(where: str) -> None:
         for n in layers:
             assert torch.equal(caches[n][:, 40:44], saved[n]), f"{n}: not the saved bytes"
         worker.shutdown()
-        assert not any(worker.counts().values()), worker.counts()
+        assert not any(worker.counters().values()), worker.counters()
         copier = worker.saver.copy_thread  # CPU: the snapshots ran there; shutdown joined it
         assert (copier is not None) == (where == "cpu") and (copier is None or not copier.alive)
     finally:
@@ -119,8 +119,8 @@ def ec_save_prefetch_install(where: str) -> None:
     from asyncconn.config import Settings
     from asyncconn.runtime import Runtime
     from asyncconn.transfer import default_device
-    from asyncconn.vllm.ec_meta import ECStepMetadata, ItemRef
-    from asyncconn.vllm.ec_worker import ECWorker
+    from asyncconn.vllm.ec.metadata import ECStepMetadata, ItemRef
+    from asyncconn.vllm.ec.worker import ECWorkerSide
 
     url = f"memory://ec-sides-{uuid.uuid4().hex[:8]}"
     settings = Settings.from_extra_config(
@@ -128,10 +128,10 @@ def ec_save_prefetch_install(where: str) -> None:
     )
     runtime = Runtime(name=f"ec-sides-{where}").start()
     try:
-        producer = ECWorker(
+        producer = ECWorkerSide(
             settings, producer=True, consumer=False, runtime=runtime, device=default_device(where)
         )
-        consumer = ECWorker(
+        consumer = ECWorkerSide(
             settings, producer=False, consumer=True, runtime=runtime, device=default_device(where)
         )
         emb = torch.randn(1792, 2048, device=where).to(torch.bfloat16)  # 7 MiB

@@ -11,8 +11,8 @@ import torch
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.runtime import get_runtime
+from asyncconn.sim.engine import ConnectorSpec, MMItem, SimShape, embedding_for
 from asyncconn.store import TensorStore
-from asyncconn.vllm.sim import ConnectorSpec, MMItem, SimShape, embedding_for
 
 CLASS, MODULE = "LibraryECConnector", "examples.custom_connector"
 
@@ -56,4 +56,4 @@ def test_library_connector_producer_then_consumer(make_sim: Any) -> None:
     assert pd.leak_check() == []
     for worker in pd.workers:
         assert all(v == 0 for v in worker.ec_connector.loader.counters().values())
-    assert pd.scheduler.ec_connector.lookup.counts()["entries"] == 0
+    assert pd.scheduler.ec_connector.lookup.counters()["entries"] == 0

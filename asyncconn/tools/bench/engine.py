@@ -1,0 +1,56 @@
+"""``asyncconn bench engine``: figures from vLLM's real engine (TTFT on a shared prefix, decode, EC).
+
+See :mod:`asyncconn.tools.bench.engine_runs` for what each measures;
+docs/benchmarks.md holds the current table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+from asyncconn.cli import _args
+
+__all__ = ["add_arguments", "run"]
+
+_WHAT = ("ttft", "decode", "ec")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--what", default="ttft,decode,ec", help=f"comma-separated, of {', '.join(_WHAT)}")
+    parser.add_argument("--tokens", type=_args.count, default=4096, help="ttft: prompt length (default 4096)")
+    parser.add_argument("--prompts", type=_args.count, default=3, help="ttft: prompts timed per config")
+    parser.add_argument("--rounds", type=_args.count, default=3, help="decode, ec: alternating rounds")
+    parser.add_argument(
+        "--decode-model", default="text", choices=("text", "text-100m"), help="decode: model (default text)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from asyncconn.tools.bench import engine_runs
+    from asyncconn.tools.demo.report import print_summary
+    from asyncconn.tools.engines import engine_env
+
+    engine_env()
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    what = [w.strip() for w in str(args.what).split(",") if w.strip()]
+    unknown = [w for w in what if w not in _WHAT]
+    if unknown:
+        raise SystemExit(f"asyncconn bench engine: unknown --what {unknown[0]!r} (known: {', '.join(_WHAT)})")
+    summaries: list[dict[str, Any]] = []
+    for item in what:
+        if item == "ttft":
+            summaries.append(engine_runs.ttft_bench(tokens=args.tokens, prompts=args.prompts))
+        elif item == "decode":
+            summaries.append(engine_runs.decode_bench(model_name=args.decode_model, rounds=args.rounds))
+        else:
+            summaries.append(engine_runs.ec_bench(rounds=args.rounds))
+    if args.json:
+        print(json.dumps(summaries, indent=2))
+    else:
+        for summary in summaries:
+            print_summary(summary)
+    return 0

@@ -1,0 +1,247 @@
+"""Figures from vLLM's real engine: time to first token on a shared prefix, decode throughput, EC per request.
+
+Every comparison is measured side by side in one process run, on the same model and prompts:
+
+- ``ttft``: a second engine's time to first token on long prompts whose KV a first engine computed --
+  recomputed (no connector), loaded by asyncconn over ``file://`` and ``redis://``, and loaded by vLLM's
+  in-tree ``ExampleConnector``. The copy limit is the prompt's KV bytes over this machine's measured memcpy
+  bandwidth: what a load could not beat.
+- ``decode``: decode tokens per second with the KV connector attached (``kv_both``, fresh prompts so
+  nothing loads) and without, in alternating rounds.
+- ``ec``: PD's time per image request with embeddings loaded from the store vs encoded locally.
+
+Each figure is a median over the samples; the machine, command and date go with it into docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from asyncconn.tools.engines import Probe, close_llm, kv_config, make_llm
+
+__all__ = ["decode_bench", "ec_bench", "memcpy_gbps", "ttft_bench"]
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Median host memcpy bandwidth (GB/s) of one ``copy_`` of ``nbytes``: the floor for any KV load here."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    return nbytes / statistics.median(times) / 1e9
+
+
+@contextlib.contextmanager
+def _redis_url() -> Iterator[str]:
+    from asyncconn.tools.chaos.procs import RedisServer
+
+    server = RedisServer(extra_args=("--maxmemory", "0")).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def _kv_bytes_per_token(probe: Probe) -> int:
+    total = 0
+    for cache in probe.kv_caches().values():
+        # CPU layout [blocks, kv_heads, block, 2*head]: one token is kv_heads * 2*head elements per layer
+        total += cache[0].numel() // cache.shape[2] * cache.element_size()
+    return total
+
+
+def ttft_bench(tokens: int = 4096, prompts: int = 3, model_name: str = "text-100m") -> dict[str, Any]:
+    """Time to first token of a fresh engine on prompts another engine computed (see the module doc)."""
+    from vllm import SamplingParams
+
+    from asyncconn.tools.tiny_models import build_model
+
+    model = build_model(model_name, progress=_say)
+    rng = random.Random(7)
+    texts = [[rng.randrange(5, 8000) for _ in range(tokens + 17)] for _ in range(prompts)]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    engine_args: dict[str, Any] = {
+        "kv_cache_bytes": 2 << 30,
+        "max_model_len": tokens + 64,
+        "max_num_batched_tokens": tokens + 64,
+        "max_num_seqs": 1,
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-"))
+    results: dict[str, list[float]] = {}
+    per_token = 0
+    with _redis_url() as redis_url:
+        configs: dict[str, Callable[[], Any] | None] = {
+            "recompute (no connector)": None,
+            "asyncconn file://": lambda: kv_config(backend_url=f"file://{workdir / 'store'}"),
+            "asyncconn redis://": lambda: kv_config(backend_url=redis_url),
+            "vLLM ExampleConnector": lambda: _example_connector(workdir / "example"),
+        }
+        for name, make in configs.items():
+            if make is not None:
+                _say(f"{name}: engine 1 computes and saves {prompts} prompts of {tokens} tokens")
+                llm = make_llm(model, kv=make(), **engine_args)
+                for text in texts:
+                    llm.generate([{"prompt_token_ids": text}], one, use_tqdm=False)
+                Probe(llm).settle(timeout=300)
+                close_llm(llm)
+            _say(f"{name}: a fresh engine's time to first token")
+            llm = make_llm(model, kv=None if make is None else make(), **engine_args)
+            probe = Probe(llm)
+            per_token = per_token or _kv_bytes_per_token(probe)
+            samples = []
+            for text in texts:
+                started = time.perf_counter()
+                llm.generate([{"prompt_token_ids": text}], one, use_tqdm=False)
+                samples.append(time.perf_counter() - started)
+            probe.settle(timeout=300)
+            hits = probe.metrics().get("vllm:external_prefix_cache_hits", 0)
+            if make is not None and hits < prompts * (tokens // 32) * 32 * 0.99:
+                _say(f"{name}: only {hits} tokens came from the store")
+            results[name] = samples
+            close_llm(llm)
+    bandwidth = memcpy_gbps()
+    kv_bytes = per_token * (tokens // 32) * 32
+    copy_limit = kv_bytes / (bandwidth * 1e9)
+    recompute = statistics.median(results["recompute (no connector)"])
+    figures: dict[str, Any] = {
+        "prompt tokens": tokens + 17,
+        "KV bytes per prompt": kv_bytes,
+        "memcpy GB/s (median of 5, 256 MiB)": round(bandwidth, 2),
+        "copy limit (KV bytes / memcpy) s": round(copy_limit, 4),
+    }
+    for name, samples in results.items():
+        median = statistics.median(samples)
+        figures[f"{name}: TTFT median s"] = round(median, 3)
+        figures[f"{name}: speed-up vs recompute"] = round(recompute / median, 1)
+        figures[f"{name}: x copy limit"] = round(median / copy_limit, 1)
+    return {"title": f"TTFT of a fresh engine on {tokens}-token prompts ({model_name})", "figures": figures}
+
+
+def _example_connector(path: Path) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(path)},
+    )
+
+
+def decode_bench(
+    model_name: str = "text", rounds: int = 3, requests: int = 8, max_tokens: int = 128
+) -> dict[str, Any]:
+    """Decode tokens/s with the KV connector attached (nothing to load) vs without, alternating rounds."""
+    from vllm import SamplingParams
+
+    from asyncconn.tools.tiny_models import build_model
+
+    model = build_model(model_name, progress=_say)
+    vocab = 8000 if model_name == "text-100m" else 1000
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-"))
+    rates: dict[str, list[float]] = {"no connector": [], "asyncconn kv_both (file://)": []}
+    rng = random.Random(3)
+    # One in-process engine at a time (closing one tears down vLLM's process groups): each round builds
+    # both engines afresh, in alternating order.
+    for round_no in range(rounds):
+        names = list(rates) if round_no % 2 == 0 else list(reversed(rates))
+        for name in names:
+            kv = None if name == "no connector" else kv_config(backend_url=f"file://{workdir / 'store'}")
+            llm = make_llm(model, kv=kv, max_num_seqs=requests)
+            try:
+                warm = [[rng.randrange(5, vocab) for _ in range(64)]]
+                llm.generate([{"prompt_token_ids": p} for p in warm], sampling, use_tqdm=False)
+                prompts = [[rng.randrange(5, vocab) for _ in range(64)] for _ in range(requests)]
+                started = time.perf_counter()
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+                elapsed = time.perf_counter() - started
+                rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+                Probe(llm).settle()
+            finally:
+                close_llm(llm)
+    base = statistics.median(rates["no connector"])
+    figures: dict[str, Any] = {}
+    for name, values in rates.items():
+        figures[f"{name}: tokens/s median"] = round(statistics.median(values), 1)
+    figures["with connector / without"] = round(
+        statistics.median(rates["asyncconn kv_both (file://)"]) / base, 3
+    )
+    return {
+        "title": f"decode throughput, {requests} requests x {max_tokens} tokens ({model_name})",
+        "figures": figures,
+    }
+
+
+def ec_bench(images: int = 8, rounds: int = 3) -> dict[str, Any]:
+    """PD's time per image request with stored embeddings vs encoding locally (tiny vision model)."""
+    import numpy as np
+    from PIL import Image
+    from vllm import SamplingParams
+
+    from asyncconn.tools.engines import ec_config, ec_params, forward_ec_params
+    from asyncconn.tools.tiny_models import IMAGE_SIZE, build_model
+
+    model = build_model("vision", progress=_say)
+    workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-"))
+    url = f"file://{workdir / 'store'}"
+    sampling = {"max_tokens": 1, "temperature": 0.0}
+    local: list[float] = []
+    loaded: list[float] = []
+    loaded_items: list[int] = []
+    rng = np.random.default_rng(5)
+    for _ in range(rounds):
+        batch = [
+            {
+                "prompt": "w10 w11",
+                "multi_modal_data": {
+                    "image": Image.fromarray(
+                        rng.integers(0, 255, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+                    )
+                },
+            }
+            for _ in range(images)
+        ]
+        e = make_llm(model, ec=ec_config("ec_producer", backend_url=url), max_model_len=512)
+        params = ec_params(e.generate(batch, SamplingParams(**sampling), use_tqdm=False))
+        Probe(e).ec_saves_done()
+        close_llm(e)
+        for name, into in (("local", local), ("loaded", loaded)):
+            ec = ec_config("ec_consumer", backend_url=url) if name == "loaded" else None
+            pd = make_llm(model, ec=ec, max_model_len=512)
+            try:
+                # All requests at once: on vLLM's V1 runner an idle PD encodes the first request it sees
+                # (docs/ec.md), the rest are loaded; counted below.
+                sampling_list = [forward_ec_params(p, **sampling) for p in params]
+                started = time.perf_counter()
+                pd.generate(batch, sampling_list, use_tqdm=False)
+                into.append((time.perf_counter() - started) / images)
+                if ec is not None:
+                    loader = Probe(pd).ec_worker_connector().worker_side.loader
+                    loaded_items.append(loader.loaded)
+            finally:
+                close_llm(pd)
+    return {
+        "title": f"EC: PD time per image request (tiny BLIP-2, {images} requests at once)",
+        "figures": {
+            "encoded locally: ms per request (median)": round(1000 * statistics.median(local), 2),
+            "from the store (file://): ms per request (median)": round(1000 * statistics.median(loaded), 2),
+            "images loaded per round (the rest encoded)": min(loaded_items),
+        },
+    }

@@ -1,0 +1,289 @@
+"""``AsyncConnKVConnector``: vLLM's KV connector interface over asyncconn's lookup and transfer engines.
+
+Loaded by vLLM with::
+
+    KVTransferConfig(kv_connector="AsyncConnKVConnector", kv_connector_module_path="asyncconn.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={"backend_url": "redis://host:6379/0"})
+
+A facade: the constructor builds exactly one :class:`~asyncconn.vllm.kv.scheduler.KVSchedulerSide` (scheduler
+role) or :class:`~asyncconn.vllm.kv.worker.KVWorkerSide` (worker role) and every method delegates to it. The
+roles: ``kv_producer`` saves and never loads (no lookups), ``kv_consumer`` loads and never saves,
+``kv_both`` does both.
+
+Hybrid allocator (``SupportsHMA``): accepted when every KV cache group is plain full attention (or MLA) with
+one block size -- then the groups differ only in their block tables, and each value carries every layer's
+blocks at the group's ids. Sliding-window, Mamba and other group kinds are refused at start-up with a
+message naming the flag that turns the hybrid allocator off, rather than saving KV that could not be reused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+from asyncconn.config import Settings
+from asyncconn.exceptions import BackendTimeout, ConfigError, RuntimeStateError
+from asyncconn.lookup import PREFIX, LookupConfig, open_lookup_client
+from asyncconn.runtime import get_runtime
+from asyncconn.store import TensorStore
+from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_devices
+from asyncconn.url import redact
+from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
+from asyncconn.vllm.kv.scheduler import KVSchedulerSide
+from asyncconn.vllm.kv.worker import KVWorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["AsyncConnKVConnector"]
+
+
+_ACCEPTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+
+
+def _check_groups(kv_cache_config: Any) -> tuple[list[str], dict[str, int]]:
+    """Layers in value order and their group; refuse groups this connector cannot store faithfully."""
+    if kv_cache_config is None:
+        raise ConfigError("AsyncConnKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32 passes it)")
+    groups = list(kv_cache_config.kv_cache_groups)
+    block_sizes = {g.kv_cache_spec.block_size for g in groups}
+    bad = [type(g.kv_cache_spec).__name__ for g in groups if type(g.kv_cache_spec) not in _ACCEPTED_SPECS]
+    if bad or len(block_sizes) != 1:
+        raise ConfigError(
+            f"AsyncConnKVConnector stores full-attention KV of one block size; this model's KV cache groups "
+            f"are {[type(g.kv_cache_spec).__name__ for g in groups]} with block sizes {sorted(block_sizes)}. "
+            "Start vLLM with --disable-hybrid-kv-cache-manager."
+        )
+    layers = [name for g in groups for name in g.layer_names]
+    return layers, {name: i for i, g in enumerate(groups) for name in g.layer_names}
+
+
+def _tensor_parallel(vllm_config: Any) -> tuple[int, int]:
+    """(tp_size, rank): vLLM's TP group when it is initialized (a real worker), else the config and 0."""
+    try:
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_tensor_model_parallel_rank(),
+            )
+    except (ImportError, AssertionError):
+        pass
+    return int(vllm_config.parallel_config.tensor_parallel_size), 0
+
+
+class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is not followed
+    """The facade vLLM loads; see the module docstring."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        config = self._kv_transfer_config
+        self.settings = Settings.from_extra_config(config.kv_connector_extra_config)
+        layers, group_of_layer = _check_groups(kv_cache_config)
+        tp_size, rank = _tensor_parallel(vllm_config)
+        self._identity = KVIdentity.from_vllm(
+            vllm_config, kv_cache_config, tp_size=tp_size, blocks_per_value=self.settings.kv_blocks_per_value
+        )
+        keys = KeySpace(self._identity, self.settings.key_prefix)
+        self._scheduler: KVSchedulerSide | None = None
+        self._worker: KVWorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            lookup = None
+            if config.is_kv_consumer:
+                lookup = open_lookup_client(LookupConfig.from_settings(self.settings), PREFIX)
+            self._scheduler = KVSchedulerSide(
+                keys,
+                lookup=lookup,
+                save=config.is_kv_producer,
+                sync_lookup=self.settings.sync_lookup,
+            )
+        else:
+            self._worker = self._build_worker(keys, layers, group_of_layer, rank, kv_cache_config)
+
+    def _build_worker(
+        self,
+        keys: KeySpace,
+        layers: list[str],
+        group_of_layer: dict[str, int],
+        rank: int,
+        kv_cache_config: Any,
+    ) -> KVWorkerSide:
+        settings = self.settings
+        runtime = get_runtime()
+        try:
+            store = runtime.run(
+                TensorStore.open(
+                    settings.backend_url,
+                    timeout=settings.store_timeout,
+                    connect_timeout=settings.connect_timeout,
+                ),
+                timeout=settings.connect_timeout + 1.0,
+            )
+        except concurrent.futures.TimeoutError:
+            raise BackendTimeout(
+                f"{redact(settings.backend_url)}: not open after {settings.connect_timeout:g}s"
+            ) from None
+        load_device, save_device = engine_devices()  # a side stream each: loads never queue behind saves
+        pool = PinnedPool(settings.pinned_pool_bytes, device=load_device)
+        loader = StreamLoader(
+            store, runtime=runtime, device=load_device, pool=pool, max_inflight=settings.max_inflight_loads
+        )
+        saver = SaveTracker(
+            store, runtime=runtime, device=save_device, pool=pool, skip_existing=settings.save_skip_existing
+        )
+        return KVWorkerSide(
+            keys,
+            store=store,
+            loader=loader,
+            saver=saver,
+            runtime=runtime,
+            layers=layers,
+            group_of_layer=group_of_layer,
+            num_blocks=int(kv_cache_config.num_blocks),
+            rank=rank,
+            load_timeout=settings.load_timeout,
+            preempt_timeout=settings.store_timeout,
+        )
+
+    # -- the one object this facade delegates to -------------------------------------------------------
+    @property
+    def scheduler_side(self) -> KVSchedulerSide:
+        """The scheduler side; :class:`RuntimeStateError` on a worker-role connector.
+
+        Why not :class:`ConfigError`: no setting is wrong -- vLLM fixed the role when it built this object,
+        and a method of the other role was called on it (a misuse of the object in its state).
+        """
+        if self._scheduler is None:
+            raise RuntimeStateError("a scheduler-side KV method was called on a worker-side connector")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> KVWorkerSide:
+        """The worker side; :class:`RuntimeStateError` on a scheduler-role connector."""
+        if self._worker is None:
+            raise RuntimeStateError("a worker-side KV method was called on a scheduler-side connector")
+        return self._worker
+
+    def configure_tensor_parallel(self, tp_size: int, rank: int = 0) -> None:
+        """Override the TP size (and a worker's rank) where vLLM's TP group is not set up (simulators)."""
+        self._identity = dataclasses.replace(self._identity, tp_size=tp_size)
+        keys = KeySpace(self._identity, self.settings.key_prefix)
+        if self._scheduler is not None:
+            self._scheduler.keys = keys
+        if self._worker is not None:
+            self._worker.keys = keys
+            self._worker.set_rank(rank)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped save is a future miss, never a correctness problem."""
+        return False
+
+    # -- worker side -----------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def _meta(self) -> AsyncConnKVMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AsyncConnKVMetadata)
+        return meta
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, AsyncConnKVMetadata):
+            self.worker_side.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker_side.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous: a request runs only after its blocks are in, so no layer ever waits."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Values hold every layer, so saves are gathered once per step in ``wait_for_save``."""
+
+    def wait_for_save(self) -> None:
+        self.worker_side.save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        meta = self._connector_metadata
+        if not isinstance(meta, AsyncConnKVMetadata):
+            return self.worker_side.get_finished(finished_req_ids)
+        return self.worker_side.get_finished(finished_req_ids, meta.finished_via_recv, meta.step_tokens)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._worker if self._worker is not None else self._scheduler
+        return side.stats() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return AsyncConnKVStats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """Our counters on vLLM's ``/metrics`` (``asyncconn:kv_*``; asyncconn.vllm.prom)."""
+        from asyncconn.vllm.prom import kv_prom_metrics
+
+        return kv_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- scheduler side --------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request)

@@ -1,0 +1,182 @@
+"""What the KV connector's scheduler side tells its workers each step, and the stats they send back.
+
+The metadata is plain data (vLLM pickles it to the worker processes; nothing in it is read from a store):
+which values to load into which blocks, which values to save from which blocks, and which requests were
+preempted this step. Values are named by the block hash of their last block; each worker derives its own
+rank's store key from it (:class:`asyncconn.vllm.kv.keys.KeySpace`).
+
+Both derive from vLLM's base classes, or -- where vLLM is not installed at all -- from same-shaped stand-ins
+(:mod:`asyncconn.vllm._bases`), so the worker side runs without vLLM. The stats object is vLLM's
+``KVConnectorStats`` contract: counters add up across workers and intervals,
+latency histograms (the lookup client's fixed buckets) add up bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncconn.lookup.metrics import LATENCY_BUCKETS_MS
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ModuleNotFoundError as exc:  # vLLM not installed (the worker side alone, e.g. on a GPU test machine)
+    if exc.name != "vllm":
+        raise  # vLLM is there but broken or of another layout: say so, never run on stand-ins
+    from asyncconn.vllm._bases import KVConnectorMetadata, KVConnectorStats  # type: ignore[assignment]
+
+__all__ = [
+    "COUNTERS",
+    "HISTOGRAMS",
+    "AsyncConnKVMetadata",
+    "AsyncConnKVStats",
+    "LoadSpec",
+    "SaveSpec",
+    "ValueRef",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ValueRef:
+    """One stored value (``blocks_per_value`` consecutive blocks) and the blocks it maps to.
+
+    ``positions`` are the block positions inside the value that take part (all of them for a save; for a
+    load, those not already in the local prefix cache); ``block_ids[g][i]`` is the block of KV cache group
+    ``g`` that holds position ``positions[i]``.
+    """
+
+    value_hash: bytes
+    positions: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load these values for a request parked in ``WAITING_FOR_REMOTE_KVS``."""
+
+    request_id: str
+    values: tuple[ValueRef, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Save these values, computed by this step, for a running request."""
+
+    request_id: str
+    values: tuple[ValueRef, ...]
+
+
+@dataclass
+class AsyncConnKVMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is not followed by mypy
+    """One step's work for every worker.
+
+    ``finished_via_recv``: requests vLLM finished (aborted) while, as far as the scheduler knew, their load
+    was still running. vLLM frees those blocks when every worker has reported the id in
+    ``finished_recving`` (its rule for a finished request), so each worker reports it there exactly once --
+    and never in ``finished_sending``. With several workers, some may have reported the load before the
+    abort and some not; only the scheduler knows the merged view, hence this field.
+    """
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: frozenset[str] = frozenset()
+    finished_via_recv: frozenset[str] = frozenset()
+    #: Tokens vLLM scheduled this step; 0 on a step that only waits (for our loads, say).
+    step_tokens: int = -1
+
+
+#: Counters (summed). ``tokens_*`` count tokens, ``bytes_*`` bytes on this worker.
+COUNTERS = (
+    "lookups",
+    "lookup_hits",
+    "lookup_tokens_hit",
+    "loads",
+    "load_failures",
+    "tokens_loaded",
+    "bytes_loaded",
+    "saves",
+    "saves_skipped",
+    "save_failures",
+    "tokens_saved",
+    "bytes_saved",
+)
+#: Latency histograms over ``LATENCY_BUCKETS_MS`` (+inf last).
+HISTOGRAMS = ("lookup_latency", "load_latency", "save_latency")
+_NBUCKETS = len(LATENCY_BUCKETS_MS) + 1
+_BOUNDS_S = [ms / 1000.0 for ms in LATENCY_BUCKETS_MS]
+
+
+def bucket(seconds: float) -> int:
+    """The histogram bucket of a latency."""
+    return bisect.bisect_left(_BOUNDS_S, seconds)
+
+
+class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
+    """Per-interval connector stats; ``data`` holds only ints and lists of ints (serializable)."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        super().__init__(data=dict(data) if data else {})
+        self.data: dict[str, Any]
+        # False until something is recorded: is_empty() is then one test (vLLM asks every step).
+        self._touched = bool(self.data)
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        data: dict[str, Any] = {name: 0 for name in COUNTERS}
+        self.data = data
+        for name in HISTOGRAMS:
+            self.data[name] = [0] * _NBUCKETS
+        self._touched = False
+
+    def add(self, name: str, value: int = 1) -> None:
+        self._touched = True
+        self.data[name] = self.data.get(name, 0) + value
+
+    def observe(self, name: str, seconds: float) -> None:
+        self._touched = True
+        self.data.setdefault(name, [0] * _NBUCKETS)[bucket(seconds)] += 1
+
+    def merge_histogram(self, name: str, counts: list[int]) -> None:
+        self._touched = True
+        hist = self.data.setdefault(name, [0] * _NBUCKETS)
+        for i, n in enumerate(counts[:_NBUCKETS]):
+            hist[i] += n
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            if isinstance(value, list):
+                self.merge_histogram(name, value)
+            elif isinstance(value, int):
+                self.add(name, value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {name: int(self.data.get(name, 0)) for name in COUNTERS}
+        for name in HISTOGRAMS:
+            counts: list[int] = self.data.get(name) or []
+            for q in (0.5, 0.99):
+                out[f"{name}_p{int(q * 100)}_ms"] = quantile_ms(counts, q)
+        return out
+
+    def is_empty(self) -> bool:
+        if not getattr(self, "_touched", True):  # (an instance vLLM rebuilt without __init__ is checked)
+            return True
+        return not any(self.data.get(name) for name in COUNTERS) and not any(
+            any(self.data.get(name) or ()) for name in HISTOGRAMS
+        )
+
+
+def quantile_ms(counts: list[int], q: float) -> float:
+    """Upper bound (ms) of the bucket holding quantile ``q``; 0.0 when nothing was recorded."""
+    total = sum(counts)
+    if not total:
+        return 0.0
+    seen = 0
+    for i, n in enumerate(counts):
+        seen += n
+        if n and seen >= q * total:
+            return LATENCY_BUCKETS_MS[i] if i < len(LATENCY_BUCKETS_MS) else float("inf")
+    return float("inf")

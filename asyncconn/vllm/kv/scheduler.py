@@ -1,0 +1,289 @@
+"""The KV connector's scheduler side: asynchronous prefix lookups, load and save planning, delayed frees.
+
+Runs on vLLM's scheduler thread and never waits on I/O there (unless ``sync_lookup`` is set, which exists to
+measure what it costs). A request's first ``get_num_new_matched_tokens`` submits one PREFIX lookup of its
+values' keys (every TP rank's key for each value, value by value) and answers ``(None, False)`` -- "ask me
+next step" -- until the lookup client has the answer. The answer is kept until the request's blocks are
+allocated, so a request the scheduler cannot admit yet does not re-query the store every step; preemption,
+finish and abort drop it (a re-admitted request asks the store anew: its old answer may be stale).
+
+Every step, :meth:`KVSchedulerSide.build_connector_meta` tells the workers which values to load into which
+freshly allocated blocks, and which values this step completes and the store does not have yet. A request
+that ever had a save planned holds its blocks past ``request_finished`` (returns True) until the workers
+report it in ``finished_sending``; one finished while its load runs holds them until every worker reports it
+in ``finished_recving`` (vLLM's rule for finished requests), and the next metadata says so
+(``finished_via_recv``) because only the scheduler sees the workers' merged reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncconn.lookup.client import LookupClient
+from asyncconn.vllm.kv.keys import KeySpace
+from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, LoadSpec, SaveSpec, ValueRef
+
+__all__ = ["IDLE_WAIT_S", "KVSchedulerSide"]
+
+#: Longest wait for outstanding lookups on a step that scheduled no tokens (see ``build_connector_meta``):
+#: a request arriving meanwhile is scheduled two milliseconds later at worst.
+IDLE_WAIT_S = 0.002
+
+
+@dataclass
+class _Req:
+    """What the scheduler side remembers about one live request."""
+
+    request: Any  # vllm.v1.request.Request: its block_hashes grow as tokens are appended
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
+    stored_values: int = 0  # leading values present in the store or already planned for saving
+    had_saves: bool = False
+    loading: dict[int, frozenset[int]] | None = None  # value index -> blocks being loaded into
+
+
+class KVSchedulerSide:
+    """Plain scheduler-side logic; the connector facade delegates to it.
+
+    ``lookup`` is None for a producer-only instance (nothing is ever loaded); ``save`` False for a
+    consumer-only one. ``sync_lookup`` blocks in the scheduler until each lookup answers (baseline only).
+    """
+
+    def __init__(
+        self,
+        keys: KeySpace,
+        *,
+        lookup: LookupClient[int] | None,
+        save: bool,
+        sync_lookup: bool = False,
+    ) -> None:
+        self.keys = keys
+        self.lookup = lookup
+        self.save = save
+        self.sync_lookup = sync_lookup
+        self._reqs: dict[str, _Req] = {}
+        self._hits: dict[str, int] = {}  # request id -> values present, answered and not yet allocated
+        self._loads: list[LoadSpec] = []  # planned since the last build_connector_meta
+        self._via_recv: set[str] = set()  # finished while loading, since the last build_connector_meta
+        self._stats = AsyncConnKVStats()
+        self._lookups_seen = 0  # lookup latencies recorded at the last stats() (its fast path)
+
+    # -- lookups ---------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``(None, False)`` while the lookup is in flight; then ``(tokens to load, True)`` or ``(0, False)``.
+
+        Never waits (unless ``sync_lookup``): an outstanding lookup is only polled.
+        """
+        if self.lookup is None:
+            return 0, False
+        rid = request.request_id
+        tpv = self.keys.tokens_per_value
+        hashes = self.keys.value_hashes(request.block_hashes)
+        # vLLM must compute at least the last prompt token itself, so a hit never covers it.
+        usable = min(len(hashes), max(request.num_tokens - 1, 0) // tpv)
+        if usable * tpv <= num_computed_tokens:
+            return 0, False  # the local prefix cache already covers everything the store could add
+        hit = self._hits.get(rid)
+        if hit is None:
+            answer = self._ask(rid, hashes[:usable])
+            if answer is None:
+                return None, False
+            hit = min(answer // self.keys.tp_size, usable)
+            self._hits[rid] = hit
+            self._stats.add("lookups")
+            if hit:
+                self._stats.add("lookup_hits")
+                self._stats.add("lookup_tokens_hit", hit * tpv)
+        hit_tokens = hit * tpv
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        return hit_tokens - num_computed_tokens, True
+
+    def _ask(self, rid: str, value_hashes: list[bytes]) -> int | None:
+        lookup = self.lookup
+        assert lookup is not None
+        if lookup.pending(rid):
+            return lookup.poll(rid)
+        keys = self.keys.lookup_keys(value_hashes)
+        if self.sync_lookup:
+            return lookup.lookup_sync(rid, keys)
+        lookup.submit(rid, keys)
+        return lookup.poll(rid)
+
+    # -- allocation ------------------------------------------------------------------------------------
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Remember the request; plan its load when the scheduler granted external tokens."""
+        rid = request.request_id
+        state = self._reqs.get(rid)
+        if state is None:
+            state = self._reqs[rid] = _Req(request)
+        hit = self._hits.pop(rid, None)
+        if hit is not None:
+            state.stored_values = max(state.stored_values, hit)
+        if num_external_tokens <= 0 or hit is None:
+            return
+        block_size = self.keys.identity.block_size
+        bpv = self.keys.blocks_per_value
+        groups = [list(g) for g in blocks.get_block_ids()]
+        end_block = hit * bpv
+        first_block = end_block - num_external_tokens // block_size
+        hashes = self.keys.value_hashes(request.block_hashes)
+        values: list[ValueRef] = []
+        loading: dict[int, frozenset[int]] = {}
+        for v in range(first_block // bpv, hit):
+            positions = tuple(j for j in range(bpv) if v * bpv + j >= first_block)
+            ids = tuple(tuple(g[v * bpv + j] for j in positions) for g in groups)
+            values.append(ValueRef(hashes[v], positions, ids))
+            loading[v] = frozenset(b for g in ids for b in g)
+        state.loading = loading
+        self._loads.append(LoadSpec(rid, tuple(values)))
+
+    # -- every step ------------------------------------------------------------------------------------
+    def build_connector_meta(self, so: Any) -> AsyncConnKVMetadata:
+        """Loads planned since the last step, saves this step completes, this step's preemptions.
+
+        On a step that scheduled no tokens while lookups are outstanding, waits up to ``IDLE_WAIT_S`` for
+        their answers (``LookupClient.wait``, which hands the GIL to the loop thread and returns as soon as
+        the last answer is in): otherwise vLLM's back-to-back empty steps starve the loop that answers them,
+        and each request waits tens of empty steps before its admission. A step with work never waits.
+        """
+        preempted = frozenset(so.preempted_req_ids or ())
+        for rid in so.finished_req_ids:
+            self._forget(rid)
+        for rid in preempted:
+            self._hits.pop(rid, None)
+            if self.lookup is not None:
+                self.lookup.discard(rid)
+        step_tokens = int(getattr(so, "total_num_scheduled_tokens", -1))
+        via_recv = frozenset(self._via_recv) if self._via_recv else frozenset()
+        meta = AsyncConnKVMetadata(
+            loads=self._loads,
+            preempted=preempted,
+            finished_via_recv=via_recv,
+            step_tokens=step_tokens,
+        )
+        if self._loads:
+            self._loads = []
+        if via_recv:
+            self._via_recv.clear()
+        if step_tokens == 0 and self.lookup is not None and not self.sync_lookup:
+            self.lookup.wait(IDLE_WAIT_S)
+        if not self.save:
+            return meta
+        for new in so.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = [list(g) for g in new.block_ids]
+            self._plan_saves(
+                meta, new.req_id, state, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]
+            )
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self._reqs.get(rid)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                state.block_ids = [list(g) for g in new_ids] if new_ids is not None else []
+            elif new_ids is not None:
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_ids]
+                for group, ids in zip(state.block_ids, new_ids, strict=True):
+                    group.extend(ids)
+            computed = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
+            self._plan_saves(meta, rid, state, computed)
+        return meta
+
+    def _plan_saves(self, meta: AsyncConnKVMetadata, rid: str, state: _Req, computed: int) -> None:
+        if computed // self.keys.tokens_per_value <= state.stored_values:
+            return  # no value completed since the last plan (most decode steps): no hash list built
+        bpv = self.keys.blocks_per_value
+        hashes = self.keys.value_hashes(state.request.block_hashes)
+        full = min(computed // self.keys.tokens_per_value, len(hashes))
+        if state.block_ids:
+            full = min(full, min(len(g) for g in state.block_ids) // bpv)
+        if full <= state.stored_values:
+            return
+        values = tuple(
+            ValueRef(
+                hashes[v],
+                tuple(range(bpv)),
+                tuple(tuple(g[v * bpv : (v + 1) * bpv]) for g in state.block_ids),
+            )
+            for v in range(state.stored_values, full)
+        )
+        state.stored_values = full
+        state.had_saves = True
+        meta.saves.append(SaveSpec(rid, values))
+
+    def update_connector_output(self, output: Any) -> None:
+        """A received request's blocks are the scheduler's again; failed values are saved anew later."""
+        invalid = set(output.invalid_block_ids or ())
+        for rid in output.finished_recving or ():
+            state = self._reqs.get(rid)
+            if state is None or state.loading is None:
+                continue
+            bad = [v for v, blocks in state.loading.items() if blocks & invalid]
+            if bad:  # the store lacks (or has a bad copy of) these values: let this request save them
+                state.stored_values = min(state.stored_values, *bad)
+            state.loading = None
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """True -- keep the blocks -- while a save may read them or a load may write them.
+
+        A request finished while loading is freed by vLLM when every worker has reported it in
+        ``finished_recving`` (the workers are told through ``finished_via_recv``); any other request
+        holding blocks is freed when every worker has reported it in ``finished_sending``.
+        """
+        rid = request.request_id
+        state = self._reqs.get(rid)
+        self._forget(rid)
+        if state is None:
+            return False, None
+        if state.loading is not None:
+            self._via_recv.add(rid)
+            return True, None
+        return state.had_saves, None
+
+    def _forget(self, rid: str) -> None:
+        self._reqs.pop(rid, None)
+        self._hits.pop(rid, None)
+        if self.lookup is not None:
+            self.lookup.discard(rid)
+
+    # -- observability ---------------------------------------------------------------------------------
+    def stats(self) -> AsyncConnKVStats | None:
+        """Lookup counters and latencies since the previous call (None when nothing happened)."""
+        lookup = self.lookup
+        observed = sum(lookup.metrics.latency_buckets) if lookup is not None else 0
+        if observed == self._lookups_seen and self._stats.is_empty():
+            return None  # nothing happened since the last call (most steps): nothing allocated
+        self._lookups_seen = observed
+        stats, self._stats = self._stats, AsyncConnKVStats()
+        if lookup is not None:
+            taken = lookup.metrics.take()
+            buckets = taken.get("latency_buckets")
+            if isinstance(buckets, list):
+                stats.merge_histogram("lookup_latency", buckets)
+        return None if stats.is_empty() else stats
+
+    def counters(self) -> dict[str, int]:
+        """Sizes of every per-request structure (tests count them back to zero)."""
+        out = {
+            "requests": len(self._reqs),
+            "hits": len(self._hits),
+            "planned_loads": len(self._loads),
+            "finished_via_recv": len(self._via_recv),
+        }
+        if self.lookup is not None:
+            out.update({f"lookup_{k}": v for k, v in self.lookup.counters().items()})
+        return out
+
+    def shutdown(self) -> None:
+        self._reqs.clear()
+        self._hits.clear()
+        self._loads.clear()
+        self._via_recv.clear()
+        if self.lookup is not None:
+            self.lookup.close()

@@ -1,0 +1,515 @@
+"""The KV connector's worker side: loads into the registered KV cache, deferred saves, completion reports.
+
+One object per worker (TP rank), driven from vLLM's worker thread; all store I/O runs on the runtime loop
+through the transfer engines, so no method here waits on the store except ``handle_preemptions`` (vLLM's
+contract: a preempted request's blocks are reused by this very step), and then only with a timeout.
+
+A stored value holds ``blocks_per_value`` consecutive blocks of *every* layer, for this rank's heads:
+``[num_layers, *layer_shape]`` with the cache's block dimension cut to ``blocks_per_value``. One key per
+value and rank keeps lookups and round trips per token low (a per-layer key would multiply both by the
+layer count) and makes "present" mean "every layer present".
+
+Loads: ``start_load_kv`` hands each value to the :class:`StreamLoader` (store -> staging -> device on its
+side stream); a value several requests need is fetched once. When a value has landed, its blocks are
+scattered into each layer at the request's block ids, on the worker's current stream -- before the next
+forward that could read them. A request is reported in ``finished_recving`` once all its values are in;
+blocks whose value failed (miss, corrupt, timeout, dead store, deadline) are reported the same step through
+``get_block_ids_with_load_errors`` so vLLM recomputes them.
+
+Saves: ``wait_for_save`` submits the step's planned values to the :class:`SaveTracker` as slices of one
+gather over the cache (one ``index_select`` per layer) -- evaluated lazily on the tracker's copy thread on
+CPU, here on CUDA -- flushes, and returns; no copy and no store I/O on vLLM's thread. A request the
+scheduler kept alive for its saves (see :mod:`asyncconn.vllm.kv.scheduler`) is reported in
+``finished_sending`` once vLLM has finished it and its saves are done; one finished while loading is
+reported in ``finished_recving`` once its loads are cancelled, so nothing writes its blocks any more.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncconn.exceptions import AsyncConnError, ConfigError, RuntimeClosed
+from asyncconn.runtime import Runtime
+from asyncconn.store import TensorStore
+from asyncconn.transfer import CpuDevice, Failure, LoadResult, NewTensor, SaveTracker, StreamLoader
+from asyncconn.transfer.lazy import Pieces, Shared
+from asyncconn.vllm.kv.keys import KeySpace
+from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, SaveSpec, ValueRef
+
+__all__ = ["KVWorkerSide", "LayerLayout"]
+
+log = logging.getLogger(__name__)
+
+#: Longest wait for the loads in flight on a step that scheduled no tokens (see ``get_finished``): short
+#: enough that a request arriving meanwhile is scheduled two milliseconds later at worst.
+IDLE_WAIT_S = 0.002
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where the blocks are in the registered per-layer KV tensors (all layers alike)."""
+
+    block_dim: int
+    layer_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def detect(cls, caches: dict[str, torch.Tensor], layers: Iterable[str], num_blocks: int) -> LayerLayout:
+        """The block dimension is the first of dims 0 and 1 whose size is ``num_blocks`` (vLLM's layouts
+        are ``[num_blocks, ...]`` or ``[2, num_blocks, ...]``); every layer must share shape and dtype,
+        because one value stacks them all."""
+        names = list(layers)
+        missing = [n for n in names if n not in caches]
+        if missing:
+            raise ConfigError(
+                f"KV connector: layers {missing[:3]} of the KV cache config were not registered"
+            )
+        first = caches[names[0]]
+        for name in names[1:]:
+            t = caches[name]
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise ConfigError(
+                    f"KV connector: layer {name} is {t.dtype}{list(t.shape)}, {names[0]} is "
+                    f"{first.dtype}{list(first.shape)}; one value stacks layers, so they must match"
+                )
+        dims = [d for d in (0, 1) if d < first.dim() and first.shape[d] == num_blocks]
+        if not dims:
+            raise ConfigError(
+                f"KV connector: no block dimension of size {num_blocks} in a KV tensor of shape "
+                f"{list(first.shape)}"
+            )
+        return cls(dims[0], tuple(first.shape), first.dtype)
+
+    def value_shape(self, num_layers: int, blocks_per_value: int) -> tuple[int, ...]:
+        shape = list(self.layer_shape)
+        shape[self.block_dim] = blocks_per_value
+        return (num_layers, *shape)
+
+
+@dataclass
+class _Fetch:
+    """One value being loaded, and every (request, value ref) waiting for it."""
+
+    targets: list[tuple[str, ValueRef]] = field(default_factory=list)
+
+
+@dataclass
+class _ReqLoad:
+    t0: float
+    deadline: float
+    remaining: set[str] = field(default_factory=set)
+    failed_blocks: set[int] = field(default_factory=set)
+
+
+class KVWorkerSide:
+    """Plain worker-side logic; the connector facade delegates to it. Call from one thread."""
+
+    def __init__(
+        self,
+        keys: KeySpace,
+        *,
+        store: TensorStore,
+        loader: StreamLoader,
+        saver: SaveTracker,
+        runtime: Runtime,
+        layers: list[str],
+        group_of_layer: dict[str, int],
+        num_blocks: int,
+        rank: int = 0,
+        load_timeout: float = 10.0,
+        preempt_timeout: float = 5.0,
+    ) -> None:
+        if loader.device is saver.device:
+            raise ConfigError(
+                "KV connector: the loader and the save tracker need a device each (engine_devices()): "
+                "on one side stream every load would wait for the save copies issued before it"
+            )
+        self.keys = keys
+        self.store = store
+        self.loader = loader
+        self.saver = saver
+        self.runtime = runtime
+        self.layers = layers
+        self.group_of_layer = group_of_layer
+        self.num_blocks = num_blocks
+        self.rank = rank
+        self.load_timeout = load_timeout
+        self.preempt_timeout = preempt_timeout
+        self.caches: dict[str, torch.Tensor] = {}
+        self._layer_caches: list[tuple[torch.Tensor, int]] = []  # (cache, KV cache group) per layer, in order
+        self.layout: LayerLayout | None = None
+        self._fetches: dict[str, _Fetch] = {}  # store key -> waiting targets
+        self._req_loads: dict[str, _ReqLoad] = {}  # request id -> its load, until reported
+        self._load_errors: set[int] = set()
+        self._had_saves: set[str] = set()  # requests whose blocks the scheduler keeps for our saves
+        self._finishing: set[str] = set()  # finished by vLLM, to report in finished_sending
+        self._save_t0: dict[str, float] = {}
+        self._deletes: set[concurrent.futures.Future[int]] = set()  # corrupt values being removed
+        self._stats = AsyncConnKVStats()
+        self._saver_base = (0, 0)
+        self._namers: dict[int, Callable[[bytes], str]] = {}  # rank -> store key of a value hash
+        self._closed = False
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layout = LayerLayout.detect(kv_caches, self.layers, self.num_blocks)
+        self.caches = {name: kv_caches[name] for name in self.layers}
+        self._layer_caches = [(self.caches[n], self.group_of_layer[n]) for n in self.layers]
+
+    def set_rank(self, rank: int) -> None:
+        """This worker's TP rank (vLLM's TP group when initialized; simulators set it here)."""
+        if not 0 <= rank < self.keys.tp_size:
+            raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.keys.tp_size}")
+        self.rank = rank
+
+    def _value_shape(self) -> tuple[int, ...]:
+        assert self.layout is not None, "register_kv_caches was not called"
+        return self.layout.value_shape(len(self.layers), self.keys.blocks_per_value)
+
+    # -- loads -----------------------------------------------------------------------------------------
+    def start_load_kv(self, meta: AsyncConnKVMetadata) -> None:
+        """Issue this step's loads (never waits), then collect whatever has landed meanwhile."""
+        if meta.loads:
+            assert self.layout is not None, "register_kv_caches was not called"
+            dest = NewTensor(self._value_shape(), self.layout.dtype)
+            now = time.monotonic()
+            submit: list[tuple[str, NewTensor]] = []
+            for spec in meta.loads:
+                load = self._req_loads.setdefault(spec.request_id, _ReqLoad(now, now + self.load_timeout))
+                for ref in spec.values:
+                    key = self.keys.store_key(ref.value_hash, self.rank)
+                    fetch = self._fetches.get(key)
+                    if fetch is None:
+                        fetch = self._fetches[key] = _Fetch()
+                        submit.append((key, dest))
+                    fetch.targets.append((spec.request_id, ref))
+                    load.remaining.add(key)
+            if submit:
+                self.loader.submit_many(submit)
+        self._poll_loads()
+
+    def poll(self) -> None:
+        """Collect landed and cancelled loads (vLLM's calls do this every step; an idle engine makes none,
+        so a cancelled load's staging buffer comes back on the next step or at shutdown)."""
+        self._poll_loads()
+
+    def _poll_loads(self) -> None:
+        for result in self.loader.poll():
+            self._on_loaded(result)
+        if self._req_loads:
+            now = time.monotonic()
+            for rid, load in self._req_loads.items():
+                if load.remaining and now > load.deadline:
+                    log.warning(
+                        "KV load of request %s not done after %.1fs: recomputing", rid, self.load_timeout
+                    )
+                    for key in list(load.remaining):
+                        self._drop_target(rid, key, failed=load.failed_blocks)
+                    self._stats.add("load_failures")
+
+    def _on_loaded(self, result: LoadResult) -> None:
+        fetch = self._fetches.pop(result.key, None)
+        if fetch is None:
+            return
+        value = result.tensor
+        if result.ok and value is not None:
+            self._stats.add("loads")
+            self._stats.add("bytes_loaded", value.numel() * value.element_size())
+        else:
+            self._stats.add("load_failures")
+            log.debug("KV value %s not loaded (%s): %s", result.key, result.failure, result.detail)
+            if result.failure is Failure.CORRUPT:
+                self._delete(result.key)
+        block_size = self.keys.identity.block_size
+        for rid, ref in fetch.targets:
+            load = self._req_loads.get(rid)
+            if load is None:
+                continue
+            load.remaining.discard(result.key)
+            if value is None or not result.ok:
+                load.failed_blocks.update(b for g in ref.block_ids for b in g)
+                continue
+            self._scatter(value, ref)
+            self._stats.add("tokens_loaded", len(ref.positions) * block_size)
+
+    def _delete(self, key: str) -> None:
+        """Remove a corrupt value, so the request that recomputes it can save a good one (a save skips
+        keys the store says it has). Fire and forget on the loop; a failure only leaves the bad value."""
+        try:
+            future = self.runtime.submit(self.store.delete([key]))
+        except RuntimeClosed:
+            return
+        self._deletes.add(future)
+        future.add_done_callback(self._deletes.discard)
+
+    def _scatter(self, value: torch.Tensor, ref: ValueRef) -> None:
+        """Write the value's blocks at ``ref.positions`` into every layer, at the request's block ids."""
+        assert self.layout is not None
+        dim = self.layout.block_dim
+        device = value.device
+        positions = torch.tensor(ref.positions, dtype=torch.int64, device=device)
+        ids = [torch.tensor(g, dtype=torch.int64, device=device) for g in ref.block_ids]
+        for index, name in enumerate(self.layers):
+            src = value[index].index_select(dim, positions)
+            self.caches[name].index_copy_(dim, ids[self.group_of_layer[name]], src)
+
+    def _drop_target(self, rid: str, key: str, failed: set[int] | None) -> None:
+        """Detach a request from a fetch (cancelling the fetch when nobody else waits for it)."""
+        fetch = self._fetches.get(key)
+        load = self._req_loads.get(rid)
+        if load is not None:
+            load.remaining.discard(key)
+        if fetch is None:
+            return
+        kept = []
+        for target in fetch.targets:
+            if target[0] == rid:
+                if failed is not None:
+                    failed.update(b for g in target[1].block_ids for b in g)
+            else:
+                kept.append(target)
+        fetch.targets = kept
+        if not kept:
+            del self._fetches[key]
+            self.loader.cancel(key)
+
+    # -- saves -----------------------------------------------------------------------------------------
+    def save(self, meta: AsyncConnKVMetadata) -> None:
+        """``wait_for_save``: hand this step's values to the save tracker, flush, return.
+
+        One gather per layer for the whole step (not one per value): each value is a slice of a single
+        stacked tensor. With the tracker's copy thread (CPU) the gather itself is lazy -- a :class:`Shared`
+        the copy thread evaluates (block ids included), then copies each piece into staging -- so vLLM's
+        thread only hands each request's values over as one :class:`Pieces` range named by value hash
+        (``submit_many``: a tight duplicate check; store keys, save objects and copies on the copy thread,
+        one staging buffer for the step); on CUDA it is gathered here on the current stream (kernel
+        launches) and snapshotted by a D2H on the tracker's side stream. Nothing here waits for the store.
+        Bookkeeping is per request, not per value.
+        """
+        specs = meta.saves
+        if specs:
+            assert self.layout is not None, "register_kv_caches was not called"
+            if self.saver.copy_thread is not None:
+                saved, total = self._submit_lazy(specs)
+            else:
+                saved, total = self._submit_gathered(specs)
+            if saved:
+                self._stats.add("saves", saved)
+                self._stats.add("tokens_saved", saved * self.keys.tokens_per_value)
+            if saved < total:
+                self._stats.add("saves_skipped", total - saved)
+        self.saver.flush()
+
+    def _submit_lazy(self, specs: Sequence[SaveSpec]) -> tuple[int, int]:
+        """Copy-thread path: the step's gather is one lazy :class:`Shared`, each request a :class:`Pieces`
+        range of it. Duplicates are detected by value hash; the store key (a blake2b each) is derived on the
+        copy thread -- one worker, one rank, one key space: a hash names its key one way only."""
+        assert self.layout is not None
+        specs = tuple(specs)  # the copy thread reads their block ids later: a private, immutable copy
+        dim, bpv, dtype = self.layout.block_dim, self.keys.blocks_per_value, self.layout.dtype
+        shape = self._value_shape()
+        shared = Shared(functools.partial(_gather_specs, self._layer_caches, specs, dim))
+        name = self._namers.get(self.rank)
+        if name is None:
+            name = self._namers[self.rank] = self.keys.namer(self.rank)
+        submit_many, had_saves, save_t0 = self.saver.submit_many, self._had_saves, self._save_t0
+        now = time.monotonic()
+        saved = start = 0
+        for spec in specs:
+            rid, refs = spec.request_id, spec.values
+            n = len(refs)
+            if not n:
+                continue
+            had_saves.add(rid)
+            values = Pieces(shared, dim + 1, bpv, n, shape, dtype, start)
+            got = submit_many(rid, [ref.value_hash for ref in refs], values, name=name)
+            start += n
+            if got:
+                save_t0.setdefault(rid, now)
+                saved += got
+        return saved, start
+
+    def _submit_gathered(self, specs: Sequence[SaveSpec]) -> tuple[int, int]:
+        """Synchronous snapshots (CUDA; CPU without a copy thread): gathered here, one submit per value."""
+        refs = [(spec.request_id, ref) for spec in specs for ref in spec.values]
+        if not refs:
+            return 0, 0
+        values = self._gather(refs)
+        keys = self.keys.store_keys([ref.value_hash for _, ref in refs], self.rank)
+        now = time.monotonic()
+        saved = 0
+        for (rid, _), key, value in zip(refs, keys, values, strict=True):
+            self._had_saves.add(rid)
+            if self.saver.submit(rid, key, value):
+                self._save_t0.setdefault(rid, now)
+                saved += 1
+        return saved, len(refs)
+
+    def _block_ids(self, refs: list[tuple[str, ValueRef]]) -> list[list[int]]:
+        """The step's block ids per KV cache group, value after value."""
+        return [[b for _, ref in refs for b in ref.block_ids[g]] for g in range(len(refs[0][1].block_ids))]
+
+    def _gather(self, refs: list[tuple[str, ValueRef]]) -> list[torch.Tensor]:
+        assert self.layout is not None
+        dim, bpv = self.layout.block_dim, self.keys.blocks_per_value
+        stacked = _gather_layers(self._layer_caches, self._block_ids(refs), dim)
+        return [stacked.narrow(dim + 1, i * bpv, bpv) for i in range(len(refs))]
+
+    def handle_preemptions(self, meta: AsyncConnKVMetadata) -> None:
+        """The preempted requests' blocks are reused by this step: wait until no save still reads them.
+
+        With the save tracker's copy thread (CPU) only the copies still pending for those requests are
+        waited for (their puts read staging, not the blocks), bounded by ``preempt_timeout``. With the
+        synchronous CPU device the snapshot was taken inside ``submit``: nothing to wait for. On CUDA the
+        snapshot is an asynchronous D2H and the tracker tells only when a request's saves are done, so this
+        waits for those saves, bounded.
+        """
+        if not meta.preempted:
+            return
+        if self.saver.copy_thread is not None:
+            if not self.saver.wait_snapshots(meta.preempted, self.preempt_timeout):
+                log.warning("KV snapshots of preempted requests %s still running", sorted(meta.preempted))
+            return
+        if isinstance(self.saver.device, CpuDevice):
+            return
+        busy = [rid for rid in meta.preempted if self.saver.pending(rid)]
+        if busy:
+            done = self.saver.wait(busy, self.preempt_timeout)
+            for rid in done:
+                self._observe_save(rid)
+            if len(done) < len(busy):
+                log.warning("KV saves of preempted requests %s still running", sorted(set(busy) - done))
+
+    def _observe_save(self, rid: str) -> None:
+        t0 = self._save_t0.pop(rid, None)
+        if t0 is not None:
+            self._stats.observe("save_latency", time.monotonic() - t0)
+
+    # -- completion ------------------------------------------------------------------------------------
+    def get_finished(
+        self,
+        finished_req_ids: set[str],
+        finished_via_recv: frozenset[str] = frozenset(),
+        step_tokens: int = -1,
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """``(finished_sending, finished_recving)`` for this step.
+
+        ``finished_via_recv`` (from the scheduler, see :class:`AsyncConnKVMetadata`) are finished requests
+        vLLM frees on ``finished_recving``: their loads stop here and the id is reported there once by this
+        worker (now, or never again if it was reported already). Other finished requests that had saves are
+        reported in ``finished_sending`` once those saves are done.
+
+        On a step that scheduled no tokens (``step_tokens == 0``) while loads are in flight, this waits up to
+        ``IDLE_WAIT_S`` for them to land (``StreamLoader.wait``): the engine has nothing else to do, and its
+        back-to-back empty steps would otherwise hold the GIL the loop thread needs to finish the loads.
+        """
+        aborted: set[str] = set()
+        for rid in finished_req_ids:
+            load = self._req_loads.get(rid)
+            if rid in finished_via_recv:
+                self._had_saves.discard(rid)  # freed through finished_recving, never finished_sending
+                if load is not None:  # stop writing its blocks; report it below, without load errors
+                    for key in list(load.remaining):
+                        self._drop_target(rid, key, failed=None)
+                    aborted.add(rid)
+                continue
+            if load is not None:  # every worker reported it already (the scheduler says so): nothing to do
+                for key in list(load.remaining):
+                    self._drop_target(rid, key, failed=None)
+                del self._req_loads[rid]
+            if rid in self._had_saves:
+                self._had_saves.discard(rid)
+                self._finishing.add(rid)
+        if step_tokens == 0 and self._req_loads:
+            self.loader.wait(IDLE_WAIT_S)
+        self._poll_loads()
+        recving: set[str] = set()
+        for rid, load in list(self._req_loads.items()):
+            if not load.remaining:
+                del self._req_loads[rid]
+                recving.add(rid)
+                if rid not in aborted:
+                    self._load_errors |= load.failed_blocks
+                    self._stats.observe("load_latency", time.monotonic() - load.t0)
+        for rid in self.saver.poll_finished():
+            self._observe_save(rid)
+        sending = {rid for rid in self._finishing if not self.saver.pending(rid)}
+        self._finishing -= sending
+        for rid in sending:
+            self._save_t0.pop(rid, None)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- observability and shutdown --------------------------------------------------------------------
+    def stats(self) -> AsyncConnKVStats | None:
+        """Counters and latencies since the previous call; None (nothing allocated) when nothing happened."""
+        saved, failed = self.saver.saved_bytes, self.saver.failures.total()
+        base_saved, base_failed = self._saver_base
+        if saved == base_saved and failed == base_failed and self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, AsyncConnKVStats()
+        if saved != base_saved:
+            stats.add("bytes_saved", saved - base_saved)
+        if failed != base_failed:
+            stats.add("save_failures", failed - base_failed)
+        self._saver_base = (saved, failed)
+        return None if stats.is_empty() else stats
+
+    def counters(self) -> dict[str, int]:
+        """Everything this worker holds per request or per transfer; all 0 when idle."""
+        out = {
+            "fetches": len(self._fetches),
+            "req_loads": len(self._req_loads),
+            "had_saves": len(self._had_saves),
+            "finishing": len(self._finishing),
+            "load_errors": len(self._load_errors),
+            "deletes": len(self._deletes),
+        }
+        out.update({f"loader_{k}": v for k, v in self.loader.counters().items()})
+        out.update({f"saver_{k}": v for k, v in self.saver.counters().items()})
+        return out
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.loader.close(timeout)
+        self.saver.close(timeout)
+        self._fetches.clear()
+        self._req_loads.clear()
+        if not self.runtime.closed:
+            try:
+                self.runtime.run(self.store.close(), timeout=timeout)
+            except (
+                AsyncConnError,
+                concurrent.futures.TimeoutError,
+            ) as exc:  # never raise into vLLM's teardown
+                log.warning("KV connector: closing the store failed: %s", exc)
+
+
+def _gather_specs(
+    caches: list[tuple[torch.Tensor, int]], specs: Sequence[SaveSpec], dim: int
+) -> torch.Tensor:
+    """:func:`_gather_layers` of every value of ``specs``, value after value (run by the copy thread)."""
+    refs = [ref for spec in specs for ref in spec.values]
+    groups = len(refs[0].block_ids)
+    return _gather_layers(caches, [[b for ref in refs for b in ref.block_ids[g]] for g in range(groups)], dim)
+
+
+def _gather_layers(
+    caches: list[tuple[torch.Tensor, int]], block_ids: list[list[int]], dim: int
+) -> torch.Tensor:
+    """``[num_layers, *layer_shape]`` with the block dimension holding ``block_ids`` (per group), stacked."""
+    device = caches[0][0].device
+    ids = [torch.tensor(group, dtype=torch.int64, device=device) for group in block_ids]
+    return torch.stack([cache.index_select(dim, ids[group]) for cache, group in caches])

@@ -1,0 +1,194 @@
+"""KVSchedulerSide on its own (no engine): a lookup transport the test answers by hand, fake requests.
+
+What only a controlled transport can show: ``(None, False)`` for exactly as long as the store has not
+answered, an answer kept (not re-asked) while the request cannot be admitted, a preempted request's old
+answer never reused, and a late answer to a discarded lookup never served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
+
+from asyncconn.lookup import PREFIX, LookupClient
+from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+from asyncconn.vllm.kv.scheduler import KVSchedulerSide
+from tests.lookup.fakes import FakeTransport, noop, wait_until
+
+IDENTITY = KVIdentity("m", "", "float16", "default", 16, 2, 8, ("l0",), 1, 1)
+HASHES = [bytes([i]) * 32 for i in range(8)]
+
+
+def _request(rid: str, num_tokens: int = 100) -> Any:
+    return SimpleNamespace(request_id=rid, block_hashes=HASHES[: num_tokens // 16], num_tokens=num_tokens)
+
+
+def _blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _output(preempted: frozenset[str] = frozenset(), finished: frozenset[str] = frozenset()) -> Any:
+    cached = SimpleNamespace(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[], new_token_ids=[]
+    )
+    return SimpleNamespace(
+        preempted_req_ids=set(preempted),
+        finished_req_ids=set(finished),
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={},
+    )
+
+
+@dataclass
+class Harness:
+    """The scheduler side under test, the transport its lookups go to, and the loop that runs them."""
+
+    side: KVSchedulerSide
+    client: LookupClient[int]
+    transport: FakeTransport
+    rt: Any
+
+    def answer_all(self, value: int | None = None) -> None:
+        wait_until(lambda: bool(self.transport.pending))
+        for wid in list(self.transport.pending):
+            self.rt.run(self.transport.answer(wid, value))
+        self.rt.run(noop())
+
+
+@pytest.fixture
+def h(runtime: Any) -> Iterator[Harness]:
+    transport = FakeTransport()
+    client = LookupClient(transport, PREFIX, runtime=runtime, timeout=30.0)
+    harness = Harness(
+        KVSchedulerSide(KeySpace(IDENTITY), lookup=client, save=True), client, transport, runtime
+    )
+    try:
+        yield harness
+    finally:
+        harness.side.shutdown()
+
+
+def test_deferred_until_answered_then_kept_until_allocation(h: Harness) -> None:
+    request = _request("r")
+    assert h.side.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert h.side.get_num_new_matched_tokens(request, 0) == (None, False)  # polled, not re-submitted
+    h.answer_all(4)  # 4 of the 6 usable values present
+    assert h.side.get_num_new_matched_tokens(request, 16) == (64 - 16, True)
+    # the scheduler could not allocate: asked again next step, answered from memory, no new lookup
+    assert h.side.get_num_new_matched_tokens(request, 16) == (48, True)
+    assert h.client.metrics.submitted == 1
+    h.side.update_state_after_alloc(request, _blocks([7, 8, 9, 10, 11, 12, 13]), 48)
+    meta = h.side.build_connector_meta(_output())
+    (load,) = meta.loads
+    assert [ref.block_ids for ref in load.values] == [((8,),), ((9,),), ((10,),)]  # block 0 was a local hit
+    assert h.side.request_finished(request) == (True, None)  # finished while loading: blocks held
+    assert h.side.build_connector_meta(_output(finished=frozenset({"r"}))).finished_via_recv == frozenset(
+        {"r"}
+    )
+    assert not any(h.side.counters().values())
+
+
+def test_preempted_request_asks_the_store_anew(h: Harness) -> None:
+    request = _request("p")
+    h.side.get_num_new_matched_tokens(request, 0)
+    h.answer_all(3)
+    assert h.side.get_num_new_matched_tokens(request, 0) == (48, True)
+    h.side.build_connector_meta(_output(preempted=frozenset({"p"})))  # preempted before it was allocated
+    assert h.side.get_num_new_matched_tokens(request, 0) == (None, False)  # a new lookup, not the old answer
+    assert h.client.metrics.submitted == 2
+    h.answer_all(1)  # the store changed meanwhile
+    assert h.side.get_num_new_matched_tokens(request, 0) == (16, True)
+    h.side.request_finished(request)
+    assert not any(h.side.counters().values())
+
+
+def test_late_answer_of_an_aborted_lookup_is_never_served(h: Harness) -> None:
+    request = _request("a")
+    h.side.get_num_new_matched_tokens(request, 0)
+    wait_until(lambda: bool(h.transport.pending))
+    assert h.side.request_finished(request) == (False, None)  # aborted while its lookup was in flight
+    h.answer_all(6)  # the late answer
+    assert h.client.metrics.stale == 1
+    again = _request("a")  # the same id reused later is a new request
+    assert h.side.get_num_new_matched_tokens(again, 0) == (None, False)
+    h.side.request_finished(again)
+    wait_until(lambda: not any(h.side.counters().values()))
+
+
+def test_nothing_asked_when_the_local_cache_covers_the_usable_prefix(h: Harness) -> None:
+    # a one-block prompt: vLLM computes the last token itself, so nothing can ever be loaded
+    assert h.side.get_num_new_matched_tokens(_request("s", 16), 0) == (0, False)
+    assert h.side.get_num_new_matched_tokens(_request("c"), 96) == (0, False)
+    assert h.client.metrics.submitted == 0
+
+
+def test_an_idle_step_waits_for_outstanding_lookups_a_busy_step_never(h: Harness) -> None:
+    """A step that scheduled nothing hands the GIL to the loop until the lookups are answered (bounded);
+    then the next step admits the request, instead of tens of empty steps polling an answer the loop
+    cannot deliver while vLLM's thread spins."""
+    import threading
+    import time
+
+    request = _request("w")
+    assert h.side.get_num_new_matched_tokens(request, 0) == (None, False)
+    wait_until(lambda: bool(h.transport.pending))
+    busy = _output()
+    busy.total_num_scheduled_tokens = 8
+    started = time.monotonic()
+    h.side.build_connector_meta(busy)  # tokens scheduled: never waits
+    assert time.monotonic() - started < 0.5
+    assert h.client.outstanding()
+
+    def answer_soon() -> None:
+        time.sleep(0.001)
+        h.rt.run(h.transport.answer_all())
+
+    answering = threading.Thread(target=answer_soon)
+    answering.start()
+    idle = _output()
+    idle.total_num_scheduled_tokens = 0
+    h.side.build_connector_meta(idle)  # waits (<= IDLE_WAIT_S) for the answer
+    answering.join()
+    # Either the wait saw the answer, or the 2 ms bound passed first on a loaded box: never longer.
+    if not h.client.outstanding():
+        assert h.side.get_num_new_matched_tokens(request, 0) == (96, True)  # 6 usable values, all there
+    h.side.request_finished(request)
+    assert not any(h.side.counters().values())
+
+
+def test_idle_wait_is_bounded_when_the_store_never_answers(h: Harness) -> None:
+    import time
+
+    from asyncconn.vllm.kv.scheduler import IDLE_WAIT_S
+
+    request = _request("s")
+    h.side.get_num_new_matched_tokens(request, 0)
+    wait_until(lambda: bool(h.transport.pending))
+    idle = _output()
+    idle.total_num_scheduled_tokens = 0
+    started = time.monotonic()
+    h.side.build_connector_meta(idle)
+    elapsed = time.monotonic() - started
+    assert IDLE_WAIT_S * 0.9 <= elapsed < 1.0
+    h.side.request_finished(request)
+    h.answer_all()  # the late answer of the discarded lookup is dropped
+    assert not any(h.side.counters().values())
+
+
+def test_stats_is_none_and_allocates_nothing_on_a_quiet_step(h: Harness) -> None:
+    request = _request("q")
+    h.side.get_num_new_matched_tokens(request, 0)
+    h.answer_all(2)
+    h.side.get_num_new_matched_tokens(request, 0)
+    first = h.side.stats()
+    assert first is not None and first.data["lookups"] == 1 and sum(first.data["lookup_latency"]) == 1
+    kept = h.side._stats
+    assert h.side.stats() is None
+    assert h.side._stats is kept  # the fast path kept the (empty) accumulator: nothing allocated
+    h.side.request_finished(request)

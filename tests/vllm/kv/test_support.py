@@ -1,0 +1,89 @@
+"""Helpers shared by the KV connector tests (no tests here): specs, a byte-exact KV check, the leak check."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+
+_names = itertools.count()
+
+
+def store_url(latency: str = "") -> str:
+    """A private in-process store shared by every engine of one test (a fresh name each call)."""
+    url = f"memory://kvtest-{next(_names)}"
+    return f"{url}?latency={latency}" if latency else url
+
+
+def kv_spec(url: str, role: str = "kv_both", **extra: Any) -> Any:
+    from asyncconn.sim.engine import ConnectorSpec
+
+    return ConnectorSpec("AsyncConnKVConnector", "asyncconn.vllm", role, {"backend_url": url, **extra})
+
+
+def check_kv(sim: Any) -> int:
+    """Every running request's computed KV equals what computing it would give, on every rank.
+
+    Returns how many requests were checked. Loaded blocks hold bytes from the store, computed ones bytes
+    from the simulated forward: any wrong block id, offset, rank or layer shows up here.
+    """
+    checked = 0
+    for request in list(sim.scheduler.running):
+        n = request.num_computed_tokens
+        if n == 0:
+            continue
+        for rank in range(len(sim.workers)):
+            got = sim.read_kv(request.request_id, rank)
+            want = sim.expected_kv(request.all_token_ids[:n], rank)
+            for layer, tensor in got.items():
+                assert torch.equal(tensor, want[layer]), (
+                    f"{request.request_id} rank {rank} {layer}: KV differs"
+                )
+        checked += 1
+    return checked
+
+
+def run_checked(sim: Any, max_steps: int = 2000) -> list[Any]:
+    """``run_until_idle`` with :func:`check_kv` after every step."""
+    records: list[Any] = []
+    while sim.scheduler.has_requests() or sim.scheduler.requests:
+        assert len(records) < max_steps, f"not idle after {max_steps} steps"
+        record = sim.step()
+        records.append(record)
+        check_kv(sim)
+        if not record.num_scheduled_tokens:
+            time.sleep(0.002)  # an idle engine step: give in-flight store calls wall time, as a real one does
+    return records
+
+
+def leaks(sim: Any) -> list[str]:
+    """The simulator's leak check plus every connector-side count (scheduler and each worker) at zero."""
+    problems = list(sim.leak_check())
+    side = sim.scheduler.connector.scheduler_side
+    deadline = time.monotonic() + 5.0
+    while (
+        any(v for k, v in side.counters().items() if k.startswith("lookup_")) and time.monotonic() < deadline
+    ):
+        time.sleep(0.01)  # a discarded lookup's store call still runs to its end; its answer is dropped
+    problems += [f"scheduler {k}={v}" for k, v in side.counters().items() if v]
+    for worker in sim.workers:
+        side_w = worker.kv_connector.worker_side
+        while any(side_w.counters().values()) and time.monotonic() < deadline:
+            side_w.poll()  # cancelled fetches hand their staging back once their loop task has stopped
+            time.sleep(0.01)
+        counts = side_w.counters()
+        problems += [f"worker {worker.rank} {k}={v}" for k, v in counts.items() if v]
+    return problems
+
+
+def prompt(seed: int, length: int, vocab: int = 1000) -> list[int]:
+    return [(seed * 7919 + i * 31) % vocab for i in range(length)]
+
+
+def load_error_blocks(records: list[Any]) -> set[int]:
+    """Every block id the worker reported as failed to load (``invalid_block_ids``) over ``records``."""
+    return set().union(
+        *(r.kv_connector_output.invalid_block_ids or set() for r in records if r.kv_connector_output)
+    )
