@@ -11,7 +11,7 @@ header declaring their length are a miss too, never handed on: Mooncake 0.3.13 s
 
 A value written as :class:`asyncconn.backend.SelfChecked` (a frame, whose own checksum every reader
 verifies) carries :data:`FLAG_SELF_CHECKED` and no checksum of ours: computing it would repeat the frame's
-pass over every byte (~0.11 ms per 4 MiB put). Such a value is handed to its reader unchecked here; a torn
+pass over every byte of every put. Such a value is handed to its reader unchecked here; a torn
 read of it fails the reader's frame check instead.
 """
 

@@ -2,7 +2,7 @@
 
 Why it exists: through redis-py and hiredis every payload byte is copied six times on its way from the
 socket to a ``bytes`` chunk (event loop read buffer -> ``bytes`` -> StreamReader buffer -> ``bytes`` ->
-hiredis buffer -> reply ``bytes``), which held 4 MiB reads at ~0.6x of ``redis-benchmark``. Here a
+hiredis buffer -> reply ``bytes``), which kept large reads well behind ``redis-benchmark``. Here a
 :class:`asyncio.BufferedProtocol` hands the kernel the chunk's own ``bytearray`` once the ``$<len>`` line
 is parsed, so the payload is copied once (kernel -> chunk). With :meth:`ChunkReader.mget_into` the
 caller names that memory itself (slices of the destination tensor), so nothing is allocated per read.

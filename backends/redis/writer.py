@@ -1,10 +1,10 @@
 """The chunked write fast path: one hand-built ``MULTI ... EXEC`` per value, sent un-joined, on a raw socket.
 
-Why it exists: through redis-py a chunked 4 MiB ``put`` held ~0.77x of ``redis-benchmark``'s ``SET`` of
-the same size. Here the whole transaction is a handful of small RESP header ``bytes`` around memoryviews
+Why it exists: through redis-py a chunked ``put`` of a few MiB stayed behind ``redis-benchmark``'s ``SET``
+of the same size. Here the whole transaction is a handful of small RESP header ``bytes`` around memoryviews
 of the caller's tensor, written with one ``writelines`` on one of
-``reader.ChunkReader``'s connections; its replies are parsed by the same protocol.
-Measured in docs/redis.md.
+``reader.ChunkReader``'s connections; its replies are parsed by the same protocol. The figures are in
+docs/benchmarks.md.
 
 The transaction replaces the value's one key (see ``layout``): ``UNLINK`` (the server
 frees the old value off its main thread), ``HSET`` of the manifest and every chunk, ``PEXPIRE`` when the
