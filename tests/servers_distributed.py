@@ -61,6 +61,10 @@ class RedisCluster:
     """Three (``masters``) cluster-mode redis-servers joined into one cluster; ``url`` names them all."""
 
     masters: int = 3
+    #: How long a node may be unresponsive before the others mark it failed (the cluster is then down).
+    #: Long by default: on a loaded 2-core box a node stalls for a second now and then, and a shared
+    #: cluster marked down fails tests that killed nothing. Tests that kill a node use a short one.
+    node_timeout_ms: int = 15000
     nodes: list[RedisServer] = field(default_factory=list)
 
     @property
@@ -85,7 +89,7 @@ class RedisCluster:
                         "--cluster-config-file",
                         "nodes.conf",
                         "--cluster-node-timeout",
-                        "1000",
+                        str(self.node_timeout_ms),
                     ),
                 )
                 self.nodes.append(node.start())

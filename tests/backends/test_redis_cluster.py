@@ -40,8 +40,8 @@ async def cluster_backend(redis_cluster: RedisCluster) -> AsyncIterator[RedisClu
 
 @pytest.fixture
 def private_cluster() -> Iterator[RedisCluster]:
-    """A cluster of our own, for tests that kill a node."""
-    cluster = RedisCluster().start()
+    """A cluster of our own, for tests that kill a node (noticed within a second)."""
+    cluster = RedisCluster(node_timeout_ms=1000).start()
     try:
         yield cluster
     finally:
