@@ -17,6 +17,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_check_ok_on_file_store(tmp_path: Path) -> None:
     r = _cli("check", f"file://{tmp_path}")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -31,12 +32,14 @@ def test_check_ok_on_file_store(tmp_path: Path) -> None:
         ("memory://?latency=bogus", "'latency'"),
     ],
 )
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_check_bad_input_exits_2_with_one_line(url: str, expect: str) -> None:
     r = _cli("check", url)
     assert r.returncode == 2
     assert expect in r.stdout and r.stdout.count("\n") == 1 and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_check_hung_store_exits_2_within_timeout() -> None:
     t = time.monotonic()
     r = _cli("check", "memory://?latency=60s", "--timeout", "1")
@@ -44,6 +47,7 @@ def test_check_hung_store_exits_2_within_timeout() -> None:
     assert time.monotonic() - t < 20  # bounded: not the store's 60 s
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_check_unreachable_redis_exits_2_and_hides_password() -> None:
     r = _cli("check", f"redis://:hunter2@127.0.0.1:{free_port()}/0", "--timeout", "2")
     assert r.returncode == 2 and "FAILED" in r.stdout
@@ -101,6 +105,7 @@ def test_bench_backend_redis_reports_vs_redis_benchmark(redis_server: RedisServe
     assert entry["vs_redis_benchmark"]["get"] > 0 and entry["vs_redis_benchmark"]["put"] > 0
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_help_lists_commands() -> None:
     r = _cli("--help")
     assert r.returncode == 0 and "check" in r.stdout and "bench" in r.stdout

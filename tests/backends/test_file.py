@@ -178,6 +178,7 @@ def _kill(child: subprocess.Popen[str]) -> None:
     child.stdout.close()
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 async def test_a_writer_killed_mid_write_leaves_no_temporary_file(tmp_path: Path) -> None:
     """SIGKILL a real writer process mid-write: its temporary file goes when the store is next opened."""
     root = tmp_path / "store"
@@ -201,6 +202,7 @@ async def test_a_writer_killed_mid_write_leaves_no_temporary_file(tmp_path: Path
         await backend.close()
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 async def test_dead_writers_temporary_files_are_removed_over_time(tmp_path: Path) -> None:
     """A store kept open removes a killed writer's temporary file within a sweep interval or two."""
     root = tmp_path / "store"

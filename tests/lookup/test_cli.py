@@ -19,6 +19,7 @@ from tests.servers import RedisServer, free_port
 ASYNCCONN = [sys.executable, "-m", "asyncconn"]  # the CLI as a user runs it
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_lookup_server_serves_and_stops_cleanly() -> None:
     proc = subprocess.Popen(
         [
@@ -69,6 +70,7 @@ def _reap(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_lookup_server_bad_backend_exits_2() -> None:
     done = subprocess.run(
         [*ASYNCCONN, "lookup-server", "--backend", "nosuch://x"],
@@ -118,6 +120,7 @@ def test_lookup_server_waits_for_a_store_that_comes_up_later() -> None:
         redis.stop()
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_lookup_server_gives_up_on_a_store_that_stays_down() -> None:
     started = time.monotonic()
     done = subprocess.run(

@@ -294,6 +294,7 @@ def test_bounds_are_checked_at_start_up(rt: Runtime) -> None:
     rt.run(store.close())
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_cli_rejects_a_bound_out_of_range() -> None:
     done = subprocess.run(
         [

@@ -306,6 +306,7 @@ def test_close_releases_the_monitor_and_the_zap_handler(rt: Runtime) -> None:
     assert _open_fds() == before
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 def test_cli_max_connections_reaches_the_server() -> None:
     proc = subprocess.Popen(
         [

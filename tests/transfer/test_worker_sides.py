@@ -37,6 +37,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA
 WHERE = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]
 
 
+@pytest.mark.slow  # starts Python subprocesses: seconds each
 @pytest.mark.parametrize("where", WHERE)
 def test_worker_sides_import_and_run_where_vllm_cannot_be_imported(where: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
