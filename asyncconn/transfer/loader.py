@@ -33,7 +33,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -180,8 +180,15 @@ class StreamLoader:
             self._queued.append(load)
         self._start_queued()
 
-    def poll(self) -> list[LoadResult]:
-        """Results of loads that completed since the last call (ready tensors and failures). Never blocks."""
+    def poll(self, consume: Callable[[LoadResult], object] | None = None) -> list[LoadResult]:
+        """Results of loads that completed since the last call (ready tensors and failures). Never blocks.
+
+        With ``consume``, every result is handed to it instead (``poll`` then returns ``[]``), and on a host
+        device (:attr:`TransferDevice.synchronous`) a loaded tensor is *the staging buffer itself*, valid
+        only during the call: no copy into a new tensor, and the buffer goes back to the pool as soon as
+        ``consume`` returns (or raises). For a caller that copies the value out at once (the KV connector
+        scatters it into the cache). Elsewhere the tensor is the device copy, as without ``consume``.
+        """
         if not (self._fetched or self._copying or self._queued or self._results):
             return []  # nothing in hand (every step of an engine that loads nothing)
         if self._landed.is_set():  # before draining: a fetch handed back from here on sets it again
@@ -189,10 +196,20 @@ class StreamLoader:
         results, self._results = self._results, []
         while self._copying and self._copying[0].event is not None and self._copying[0].event.query():
             self._finish_copy(self._copying.popleft(), results)
+        lend = consume is not None and self.device.synchronous
         while self._fetched:
-            self._on_fetched(self._fetched.popleft(), results)
+            load = self._fetched.popleft()
+            if lend:
+                assert consume is not None
+                self._lend(load, results, consume)
+            else:
+                self._on_fetched(load, results)
         self._start_queued()
-        return results
+        if consume is None:
+            return results
+        for result in results:
+            consume(result)
+        return []
 
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds until every fetch in flight has landed; True if any did.
@@ -326,6 +343,26 @@ class StreamLoader:
             self._finish_copy(load, results)  # synchronous device: no need to wait for the next poll
         else:
             self._copying.append(load)
+
+    def _lend(self, load: _Load, results: list[LoadResult], consume: Callable[[LoadResult], object]) -> None:
+        """A fetched load on a host device: ``consume`` reads the staging buffer itself, then it goes back."""
+        fetched = load.fetched
+        assert fetched is not None
+        if load.cancelled or fetched.failure is not None or fetched.dtype is None:
+            self._on_fetched(load, results)  # released, failed or dropped there; nothing to lend
+            return
+        load.fetched = None
+        self.futures_pending -= 1
+        assert load.buf is not None
+        value = load.buf.view(fetched.dtype, fetched.shape)
+        load.state = _DONE
+        self._forget(load)
+        self.loaded += 1
+        self.loaded_bytes += value.numel() * value.element_size()
+        try:
+            consume(LoadResult(load.key, value))
+        finally:
+            self._release(load)
 
     def _finish_copy(self, load: _Load, results: list[LoadResult]) -> None:
         self.events_out -= 1

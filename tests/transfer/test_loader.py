@@ -70,6 +70,56 @@ def test_the_returned_tensor_does_not_alias_the_staging_buffer(runtime: Runtime,
     assert loader.pool.allocations == 1
 
 
+class _NoNewTensors(CpuDevice):
+    """A host device that fails any load needing a tensor of its own (the staging copy ``consume`` skips)."""
+
+    def empty(self, shape, dtype):  # type: ignore[no-untyped-def]
+        raise AssertionError("a load handed to consume made a new tensor")
+
+
+def test_consume_reads_the_staging_buffer_itself_and_gives_it_back_after_the_call(
+    runtime: Runtime, store: TensorStore
+) -> None:
+    a, b = torch.full((64,), 1.0), torch.full((64,), 2.0)
+    runtime.run(store.put([("a", a), ("b", b)]))
+    loader = StreamLoader(store, runtime=runtime, device=_NoNewTensors(), pool=PinnedPool(1 << 16))
+    loader.submit_many([("a", NewTensor((64,), torch.float32)), ("b", NewTensor((64,), torch.float32))])
+    loader.submit("gone", NewTensor((64,), torch.float32))
+    seen: dict[str, object] = {}
+
+    def consume(result) -> None:  # type: ignore[no-untyped-def]
+        if result.tensor is None:
+            seen[result.key] = result.failure
+            return
+        assert loader.pool.buffers_out >= 1  # lent: still out during the call
+        seen[result.key] = result.tensor.clone()
+
+    wait_until(lambda: loader.poll(consume) == [] and len(seen) == 3, "3 results")
+    assert torch.equal(seen["a"], a) and torch.equal(seen["b"], b)  # type: ignore[arg-type]
+    assert seen["gone"] is Failure.MISS
+    assert loader.loaded == 2 and loader.loaded_bytes == 2 * 64 * 4
+    assert_idle(loader)
+
+
+def test_a_consumer_that_raises_still_gets_the_buffer_back(runtime: Runtime, store: TensorStore) -> None:
+    runtime.run(store.put([("a", torch.ones(8))]))
+    loader = StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(1 << 16))
+    loader.submit("a", NewTensor((8,), torch.float32))
+
+    def consume(result) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("scatter failed")
+
+    def step() -> bool:
+        try:
+            loader.poll(consume)
+        except RuntimeError:
+            return True
+        return False
+
+    wait_until(step, "the consumer's error")
+    assert_idle(loader)
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [

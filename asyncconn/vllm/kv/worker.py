@@ -144,6 +144,7 @@ class KVWorkerSide:
         self.preempt_timeout = preempt_timeout
         self.caches: dict[str, torch.Tensor] = {}
         self._layer_caches: list[tuple[torch.Tensor, int]] = []  # (cache, KV cache group) per layer, in order
+        self._whole: tuple[int, ...] = ()  # every block position of a value
         self.layout: LayerLayout | None = None
         self._fetches: dict[str, _Fetch] = {}  # store key -> waiting targets
         self._req_loads: dict[str, _ReqLoad] = {}  # request id -> its load, until reported
@@ -162,6 +163,7 @@ class KVWorkerSide:
         self.layout = LayerLayout.detect(kv_caches, self.layers, self.num_blocks)
         self.caches = {name: kv_caches[name] for name in self.layers}
         self._layer_caches = [(self.caches[n], self.group_of_layer[n]) for n in self.layers]
+        self._whole = tuple(range(self.keys.blocks_per_value))
 
     def set_rank(self, rank: int) -> None:
         """This worker's TP rank (vLLM's TP group when initialized; simulators set it here)."""
@@ -201,8 +203,9 @@ class KVWorkerSide:
         self._poll_loads()
 
     def _poll_loads(self) -> None:
-        for result in self.loader.poll():
-            self._on_loaded(result)
+        # Each value is scattered as it is handed over; on CPU straight from the staging buffer (no copy
+        # into a new tensor first: the loader lends the buffer for the call and takes it back after).
+        self.loader.poll(self._on_loaded)
         if self._req_loads:
             now = time.monotonic()
             for rid, load in self._req_loads.items():
@@ -254,11 +257,14 @@ class KVWorkerSide:
         assert self.layout is not None
         dim = self.layout.block_dim
         device = value.device
-        positions = torch.tensor(ref.positions, dtype=torch.int64, device=device)
         ids = [torch.tensor(g, dtype=torch.int64, device=device) for g in ref.block_ids]
-        for index, name in enumerate(self.layers):
-            src = value[index].index_select(dim, positions)
-            self.caches[name].index_copy_(dim, ids[self.group_of_layer[name]], src)
+        if ref.positions == self._whole:  # the whole value, in order: no gather of its blocks first
+            for index, (cache, group) in enumerate(self._layer_caches):
+                cache.index_copy_(dim, ids[group], value[index])
+            return
+        positions = torch.tensor(ref.positions, dtype=torch.int64, device=device)
+        for index, (cache, group) in enumerate(self._layer_caches):
+            cache.index_copy_(dim, ids[group], value[index].index_select(dim, positions))
 
     def _drop_target(self, rid: str, key: str, failed: set[int] | None) -> None:
         """Detach a request from a fetch (cancelling the fetch when nobody else waits for it)."""
