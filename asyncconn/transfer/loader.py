@@ -107,7 +107,7 @@ class _Load:
         self.out: torch.Tensor | None = None
         self.cancelled = False  # worker-owned
         self.cancel_requested = False  # loop-owned
-        self.task: asyncio.Task[_Fetched] | None = None  # loop-owned
+        self.task: asyncio.Task[None] | None = None  # loop-owned
 
 
 class StreamLoader:
@@ -211,21 +211,26 @@ class StreamLoader:
             consume(result)
         return []
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float, *, first: bool = False) -> bool:
         """Block up to ``timeout`` seconds until every fetch in flight has landed; True if any did.
 
         For an engine with nothing else to do (a step that scheduled no tokens while loads are in flight):
         vLLM's engine loop steps again at once, and those empty steps hold the GIL that the loop thread needs
         to finish the very reads the engine is waiting for. A blocking wait hands the GIL over; it returns as
         soon as the last fetch is in (collect them with ``poll``), and at once when nothing is being fetched.
+        ``first``: return as soon as any fetch has landed and is not polled yet, so the caller can use it
+        (``poll``) while the others are still being read, and wait again.
         """
         deadline = time.monotonic() + timeout
         while not self._copying and self.futures_pending > len(self._fetched):
+            if first and self._fetched:
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             self._landed.clear()
-            if self.futures_pending <= len(self._fetched):  # landed between the test and the clear
+            # landed between the test and the clear
+            if self.futures_pending <= len(self._fetched) or (first and self._fetched):
                 break
             self._landed.wait(remaining)
         return bool(self._fetched)
@@ -407,13 +412,13 @@ class StreamLoader:
         cancels its children and waits for them, so their done-callbacks still hand every load back.
         """
         single_thread_torch()  # the loop's own copies must not start an OpenMP team beside the engine's
-        tasks: list[asyncio.Task[_Fetched]] = []
+        tasks: list[asyncio.Task[None]] = []
         for load in loads:
             if load.cancel_requested:  # cancelled before the loop got here: nothing was written
                 self._hand_back(load, _Fetched(Failure.STORE_ERROR, "cancelled"))
                 continue
             assert load.buf is not None
-            task = asyncio.ensure_future(self._fetch(load, load.buf))
+            task = asyncio.ensure_future(self._fetch_and_land(load, load.buf))
             load.task = task
             task.add_done_callback(functools.partial(self._fetch_done, load))
             tasks.append(task)
@@ -427,15 +432,23 @@ class StreamLoader:
             await asyncio.wait(tasks)
             raise
 
-    def _fetch_done(self, load: _Load, task: asyncio.Task[_Fetched]) -> None:
-        """A fetch task ended (the loop is done with its buffer): record the outcome, hand the load back."""
+    async def _fetch_and_land(self, load: _Load, buf: PinnedBuffer) -> None:
+        """Fetch, then hand the load back at once: not from the task's done-callback, which the loop runs
+        only after every other ready task's step -- with reads served inline (a cached ``file://`` value),
+        a whole batch would land together after its last read instead of value by value."""
+        fetched = await self._fetch(load, buf)
+        self._hand_back(load, fetched)  # nothing after this touches the buffer
+
+    def _fetch_done(self, load: _Load, task: asyncio.Task[None]) -> None:
+        """A fetch task ended (the loop is done with its buffer): hand back a load that did not land (the
+        task was cancelled or raised); one that landed was handed back by the task itself."""
         load.task = None
         if task.cancelled():
             fetched = _Fetched(Failure.STORE_ERROR, "fetch cancelled (loader or runtime closed)")
         elif (exc := task.exception()) is not None:
             fetched = _Fetched(*classify(exc))
         else:
-            fetched = task.result()
+            return
         self._hand_back(load, fetched)
 
     def _hand_back(self, load: _Load, fetched: _Fetched) -> None:

@@ -413,8 +413,9 @@ class KVWorkerSide:
         reported in ``finished_sending`` once those saves are done.
 
         On a step that scheduled no tokens (``step_tokens == 0``) while loads are in flight, this waits up to
-        ``IDLE_WAIT_S`` for them to land (``StreamLoader.wait``): the engine has nothing else to do, and its
-        back-to-back empty steps would otherwise hold the GIL the loop thread needs to finish the loads.
+        ``IDLE_WAIT_S`` for them to land (``StreamLoader.wait``), scattering each one as it lands: the engine
+        has nothing else to do, and its back-to-back empty steps would otherwise hold the GIL the loop thread
+        needs to finish the loads.
         """
         aborted: set[str] = set()
         for rid in finished_req_ids:
@@ -433,8 +434,14 @@ class KVWorkerSide:
             if rid in self._had_saves:
                 self._had_saves.discard(rid)
                 self._finishing.add(rid)
-        if step_tokens == 0 and self._req_loads:
-            self.loader.wait(IDLE_WAIT_S)
+        if step_tokens == 0 and self._fetches:
+            # Scatter each value as it lands while the loop reads the next ones, until all are in or the
+            # bound has passed (the scatters themselves are work this step would do anyway).
+            deadline = time.monotonic() + IDLE_WAIT_S
+            while self.loader.wait(max(deadline - time.monotonic(), 0.0), first=True):
+                self._poll_loads()
+                if not self._fetches or time.monotonic() >= deadline:
+                    break
         self._poll_loads()
         recving: set[str] = set()
         for rid, load in list(self._req_loads.items()):
