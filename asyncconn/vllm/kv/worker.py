@@ -257,14 +257,24 @@ class KVWorkerSide:
         assert self.layout is not None
         dim = self.layout.block_dim
         device = value.device
-        ids = [torch.tensor(g, dtype=torch.int64, device=device) for g in ref.block_ids]
-        if ref.positions == self._whole:  # the whole value, in order: no gather of its blocks first
-            for index, (cache, group) in enumerate(self._layer_caches):
-                cache.index_copy_(dim, ids[group], value[index])
-            return
-        positions = torch.tensor(ref.positions, dtype=torch.int64, device=device)
+        # Consecutive block ids (one block; or a run, as a fresh pool hands them out) are a plain slice of
+        # the cache: a copy_, no index tensor to build per value.
+        ids: list[int | torch.Tensor] = [
+            g[0]
+            if g == tuple(range(g[0], g[0] + len(g)))
+            else torch.tensor(g, dtype=torch.int64, device=device)
+            for g in ref.block_ids
+        ]
+        n = len(ref.positions)
+        whole = ref.positions == self._whole  # the whole value, in order: no gather of its blocks first
+        positions = None if whole else torch.tensor(ref.positions, dtype=torch.int64, device=device)
         for index, (cache, group) in enumerate(self._layer_caches):
-            cache.index_copy_(dim, ids[group], value[index].index_select(dim, positions))
+            src = value[index] if positions is None else value[index].index_select(dim, positions)
+            where = ids[group]
+            if isinstance(where, int):
+                cache.narrow(dim, where, n).copy_(src)
+            else:
+                cache.index_copy_(dim, where, src)
 
     def _drop_target(self, rid: str, key: str, failed: set[int] | None) -> None:
         """Detach a request from a fetch (cancelling the fetch when nobody else waits for it)."""

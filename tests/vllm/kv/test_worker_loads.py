@@ -71,9 +71,10 @@ def _receive(worker: KVWorkerSide, rid: str) -> None:
     raise AssertionError(f"{rid} was not reported received")
 
 
+@pytest.mark.parametrize("ascending", [True, False])
 @pytest.mark.parametrize("bpv", [1, 2])
 def test_loaded_values_land_bytes_exact_from_staging(
-    runtime: Runtime, bpv: int, monkeypatch: pytest.MonkeyPatch
+    runtime: Runtime, bpv: int, ascending: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker, keys, caches = _worker(runtime, bpv)
     values = [torch.randn(len(LAYERS), bpv, 2, 16, 8) for _ in range(3)]
@@ -81,29 +82,42 @@ def test_loaded_values_land_bytes_exact_from_staging(
     runtime.run(
         worker.store.put([(keys.store_key(h, 0), val) for h, val in zip(hashes, values, strict=True)])
     )
-    gathers = 0
-    index_select = torch.Tensor.index_select
+    gathers = index_tensors = 0
+    index_select, make_tensor = torch.Tensor.index_select, torch.tensor
 
     def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         nonlocal gathers
         gathers += 1
         return index_select(self, *args, **kwargs)
 
+    def counted_tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal index_tensors
+        index_tensors += 1
+        return make_tensor(*args, **kwargs)
+
     monkeypatch.setattr(torch.Tensor, "index_select", counted)
     whole = tuple(range(bpv))
-    refs = [ValueRef(hashes[v], whole, (tuple(20 - v * bpv - j for j in whole),)) for v in range(2)]
+
+    def block(v: int, j: int) -> int:  # consecutive ids (a plain slice of the cache), or a reversed run
+        return 10 + v * bpv + j if ascending else 20 - v * bpv - j
+
+    refs = [ValueRef(hashes[v], whole, (tuple(block(v, j) for j in whole),)) for v in range(2)]
     if bpv > 1:  # a value of which only the last position is loaded (a local prefix hit covers the rest)
         refs.append(ValueRef(hashes[2], (bpv - 1,), ((3,),)))
+    monkeypatch.setattr(torch, "tensor", counted_tensor)
     worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("r", tuple(refs))]))
     _receive(worker, "r")
+    monkeypatch.setattr(torch, "tensor", make_tensor)
     assert worker.get_block_ids_with_load_errors() == set()
     for i, name in enumerate(LAYERS):
         for v in range(2):
             for j in whole:
-                assert torch.equal(caches[name][20 - v * bpv - j], values[v][i, j]), (name, v, j)
+                assert torch.equal(caches[name][block(v, j)], values[v][i, j]), (name, v, j)
         if bpv > 1:
             assert torch.equal(caches[name][3], values[2][i, bpv - 1])
-    # whole values are copied as they are; only the partial value gathers its positions (once per layer)
+    # whole values are copied as they are; only the partial value gathers its positions (once per layer);
+    # an index tensor only for its positions and for runs of block ids that are not consecutive
     assert gathers == (len(LAYERS) if bpv > 1 else 0)
+    assert index_tensors == (0 if bpv == 1 else 1 if ascending else 3)
     worker.shutdown()
     assert not any(worker.counters().values()), worker.counters()
