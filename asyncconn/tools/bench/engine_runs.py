@@ -117,6 +117,7 @@ def ttft_bench(tokens: int = 4096, prompts: int = 3, model_name: str = "text-100
             hits = probe.metrics().get("vllm:external_prefix_cache_hits", 0)
             if make is not None and hits < prompts * (tokens // 32) * 32 * 0.99:
                 _say(f"{name}: only {hits} tokens came from the store")
+            _say(f"{name}: TTFT samples {[round(s, 3) for s in samples]} s")
             results[name] = samples
             close_llm(llm)
     bandwidth = memcpy_gbps()
