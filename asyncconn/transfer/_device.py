@@ -141,6 +141,9 @@ class TransferDevice(abc.ABC):
 
     #: ``torch.device`` that loaded tensors land on.
     device: torch.device
+    #: True when staging is already memory of ``device`` (host) and copies finish inside ``copy``: a loader
+    #: may then hand out the staging buffer itself to a caller that copies it out at once.
+    synchronous: bool = False
 
     @property
     @abc.abstractmethod
@@ -179,6 +182,8 @@ class TransferDevice(abc.ABC):
 
 class CpuDevice(TransferDevice):
     """Synchronous copies on CPU tensors; every event is :data:`DONE`. The CI and no-GPU path."""
+
+    synchronous = True
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")

@@ -33,7 +33,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +107,7 @@ class _Load:
         self.out: torch.Tensor | None = None
         self.cancelled = False  # worker-owned
         self.cancel_requested = False  # loop-owned
-        self.task: asyncio.Task[_Fetched] | None = None  # loop-owned
+        self.task: asyncio.Task[None] | None = None  # loop-owned
 
 
 class StreamLoader:
@@ -180,8 +180,15 @@ class StreamLoader:
             self._queued.append(load)
         self._start_queued()
 
-    def poll(self) -> list[LoadResult]:
-        """Results of loads that completed since the last call (ready tensors and failures). Never blocks."""
+    def poll(self, consume: Callable[[LoadResult], object] | None = None) -> list[LoadResult]:
+        """Results of loads that completed since the last call (ready tensors and failures). Never blocks.
+
+        With ``consume``, every result is handed to it instead (``poll`` then returns ``[]``), and on a host
+        device (:attr:`TransferDevice.synchronous`) a loaded tensor is *the staging buffer itself*, valid
+        only during the call: no copy into a new tensor, and the buffer goes back to the pool as soon as
+        ``consume`` returns (or raises). For a caller that copies the value out at once (the KV connector
+        scatters it into the cache). Elsewhere the tensor is the device copy, as without ``consume``.
+        """
         if not (self._fetched or self._copying or self._queued or self._results):
             return []  # nothing in hand (every step of an engine that loads nothing)
         if self._landed.is_set():  # before draining: a fetch handed back from here on sets it again
@@ -189,26 +196,41 @@ class StreamLoader:
         results, self._results = self._results, []
         while self._copying and self._copying[0].event is not None and self._copying[0].event.query():
             self._finish_copy(self._copying.popleft(), results)
+        lend = consume is not None and self.device.synchronous
         while self._fetched:
-            self._on_fetched(self._fetched.popleft(), results)
+            load = self._fetched.popleft()
+            if lend:
+                assert consume is not None
+                self._lend(load, results, consume)
+            else:
+                self._on_fetched(load, results)
         self._start_queued()
-        return results
+        if consume is None:
+            return results
+        for result in results:
+            consume(result)
+        return []
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float, *, first: bool = False) -> bool:
         """Block up to ``timeout`` seconds until every fetch in flight has landed; True if any did.
 
         For an engine with nothing else to do (a step that scheduled no tokens while loads are in flight):
         vLLM's engine loop steps again at once, and those empty steps hold the GIL that the loop thread needs
         to finish the very reads the engine is waiting for. A blocking wait hands the GIL over; it returns as
         soon as the last fetch is in (collect them with ``poll``), and at once when nothing is being fetched.
+        ``first``: return as soon as any fetch has landed and is not polled yet, so the caller can use it
+        (``poll``) while the others are still being read, and wait again.
         """
         deadline = time.monotonic() + timeout
         while not self._copying and self.futures_pending > len(self._fetched):
+            if first and self._fetched:
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             self._landed.clear()
-            if self.futures_pending <= len(self._fetched):  # landed between the test and the clear
+            # landed between the test and the clear
+            if self.futures_pending <= len(self._fetched) or (first and self._fetched):
                 break
             self._landed.wait(remaining)
         return bool(self._fetched)
@@ -327,6 +349,26 @@ class StreamLoader:
         else:
             self._copying.append(load)
 
+    def _lend(self, load: _Load, results: list[LoadResult], consume: Callable[[LoadResult], object]) -> None:
+        """A fetched load on a host device: ``consume`` reads the staging buffer itself, then it goes back."""
+        fetched = load.fetched
+        assert fetched is not None
+        if load.cancelled or fetched.failure is not None or fetched.dtype is None:
+            self._on_fetched(load, results)  # released, failed or dropped there; nothing to lend
+            return
+        load.fetched = None
+        self.futures_pending -= 1
+        assert load.buf is not None
+        value = load.buf.view(fetched.dtype, fetched.shape)
+        load.state = _DONE
+        self._forget(load)
+        self.loaded += 1
+        self.loaded_bytes += value.numel() * value.element_size()
+        try:
+            consume(LoadResult(load.key, value))
+        finally:
+            self._release(load)
+
     def _finish_copy(self, load: _Load, results: list[LoadResult]) -> None:
         self.events_out -= 1
         load.event = None
@@ -370,13 +412,13 @@ class StreamLoader:
         cancels its children and waits for them, so their done-callbacks still hand every load back.
         """
         single_thread_torch()  # the loop's own copies must not start an OpenMP team beside the engine's
-        tasks: list[asyncio.Task[_Fetched]] = []
+        tasks: list[asyncio.Task[None]] = []
         for load in loads:
             if load.cancel_requested:  # cancelled before the loop got here: nothing was written
                 self._hand_back(load, _Fetched(Failure.STORE_ERROR, "cancelled"))
                 continue
             assert load.buf is not None
-            task = asyncio.ensure_future(self._fetch(load, load.buf))
+            task = asyncio.ensure_future(self._fetch_and_land(load, load.buf))
             load.task = task
             task.add_done_callback(functools.partial(self._fetch_done, load))
             tasks.append(task)
@@ -390,15 +432,23 @@ class StreamLoader:
             await asyncio.wait(tasks)
             raise
 
-    def _fetch_done(self, load: _Load, task: asyncio.Task[_Fetched]) -> None:
-        """A fetch task ended (the loop is done with its buffer): record the outcome, hand the load back."""
+    async def _fetch_and_land(self, load: _Load, buf: PinnedBuffer) -> None:
+        """Fetch, then hand the load back at once: not from the task's done-callback, which the loop runs
+        only after every other ready task's step -- with reads served inline (a cached ``file://`` value),
+        a whole batch would land together after its last read instead of value by value."""
+        fetched = await self._fetch(load, buf)
+        self._hand_back(load, fetched)  # nothing after this touches the buffer
+
+    def _fetch_done(self, load: _Load, task: asyncio.Task[None]) -> None:
+        """A fetch task ended (the loop is done with its buffer): hand back a load that did not land (the
+        task was cancelled or raised); one that landed was handed back by the task itself."""
         load.task = None
         if task.cancelled():
             fetched = _Fetched(Failure.STORE_ERROR, "fetch cancelled (loader or runtime closed)")
         elif (exc := task.exception()) is not None:
             fetched = _Fetched(*classify(exc))
         else:
-            fetched = task.result()
+            return
         self._hand_back(load, fetched)
 
     def _hand_back(self, load: _Load, fetched: _Fetched) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -68,6 +69,56 @@ def test_the_returned_tensor_does_not_alias_the_staging_buffer(runtime: Runtime,
     assert first is not None and second is not None
     assert torch.equal(first, a) and torch.equal(second, b)
     assert loader.pool.allocations == 1
+
+
+class _NoNewTensors(CpuDevice):
+    """A host device that fails any load needing a tensor of its own (the staging copy ``consume`` skips)."""
+
+    def empty(self, shape, dtype):  # type: ignore[no-untyped-def]
+        raise AssertionError("a load handed to consume made a new tensor")
+
+
+def test_consume_reads_the_staging_buffer_itself_and_gives_it_back_after_the_call(
+    runtime: Runtime, store: TensorStore
+) -> None:
+    a, b = torch.full((64,), 1.0), torch.full((64,), 2.0)
+    runtime.run(store.put([("a", a), ("b", b)]))
+    loader = StreamLoader(store, runtime=runtime, device=_NoNewTensors(), pool=PinnedPool(1 << 16))
+    loader.submit_many([("a", NewTensor((64,), torch.float32)), ("b", NewTensor((64,), torch.float32))])
+    loader.submit("gone", NewTensor((64,), torch.float32))
+    seen: dict[str, object] = {}
+
+    def consume(result) -> None:  # type: ignore[no-untyped-def]
+        if result.tensor is None:
+            seen[result.key] = result.failure
+            return
+        assert loader.pool.buffers_out >= 1  # lent: still out during the call
+        seen[result.key] = result.tensor.clone()
+
+    wait_until(lambda: loader.poll(consume) == [] and len(seen) == 3, "3 results")
+    assert torch.equal(seen["a"], a) and torch.equal(seen["b"], b)  # type: ignore[arg-type]
+    assert seen["gone"] is Failure.MISS
+    assert loader.loaded == 2 and loader.loaded_bytes == 2 * 64 * 4
+    assert_idle(loader)
+
+
+def test_a_consumer_that_raises_still_gets_the_buffer_back(runtime: Runtime, store: TensorStore) -> None:
+    runtime.run(store.put([("a", torch.ones(8))]))
+    loader = StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(1 << 16))
+    loader.submit("a", NewTensor((8,), torch.float32))
+
+    def consume(result) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("scatter failed")
+
+    def step() -> bool:
+        try:
+            loader.poll(consume)
+        except RuntimeError:
+            return True
+        return False
+
+    wait_until(step, "the consumer's error")
+    assert_idle(loader)
 
 
 @pytest.mark.parametrize(
@@ -354,4 +405,60 @@ def test_wait_returns_when_a_fetch_lands_not_at_its_timeout(
     assert time.monotonic() - started < 5.0
     (result,) = drain_loads(loader, 1).values()
     assert result.ok
+    assert_idle(loader)
+
+
+def test_each_load_lands_as_soon_as_its_read_ends(
+    runtime: Runtime, store: TensorStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads that finish without suspending (a page-cached file:// value is read inline) land one by one,
+    not all together after the batch's last read (as a task's done-callback would hand them back)."""
+    values = {f"k{i}": torch.full((16,), float(i)) for i in range(4)}
+    runtime.run(store.put(list(values.items())))
+    loader = make_loader(store, runtime)
+    handed_back = 0
+    seen: list[int] = []
+    hand_back = loader._hand_back
+    get = store.backend.get
+
+    def counting(load, fetched) -> None:  # type: ignore[no-untyped-def]
+        nonlocal handed_back
+        handed_back += 1
+        hand_back(load, fetched)
+
+    async def recording(keys):  # type: ignore[no-untyped-def]
+        seen.append(handed_back)  # loads handed back when this read starts
+        return await get(keys)
+
+    monkeypatch.setattr(loader, "_hand_back", counting)
+    monkeypatch.setattr(store.backend, "get", recording)
+    loader.submit_many([(k, NewTensor((16,), torch.float32)) for k in values])
+    results = drain_loads(loader, 4)
+    assert seen == [0, 1, 2, 3]
+    assert all(torch.equal(results[k].tensor, v) for k, v in values.items())  # type: ignore[arg-type]
+    assert_idle(loader)
+
+
+def test_wait_first_returns_when_one_fetch_lands_while_others_are_still_read(
+    runtime: Runtime, store: TensorStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime.run(store.put([("fast", torch.ones(16)), ("slow", torch.zeros(16))]))
+    gate = asyncio.Event()
+    get = store.backend.get
+
+    async def gated(keys):  # type: ignore[no-untyped-def]
+        if "slow" in keys:
+            await gate.wait()
+        return await get(keys)
+
+    monkeypatch.setattr(store.backend, "get", gated)
+    loader = make_loader(store, runtime)
+    loader.submit_many([("slow", NewTensor((16,), torch.float32)), ("fast", NewTensor((16,), torch.float32))])
+    started = time.monotonic()
+    assert loader.wait(10.0, first=True) is True
+    assert time.monotonic() - started < 5.0
+    assert [r.key for r in loader.poll()] == ["fast"]
+    assert loader.wait(0.05, first=True) is False  # the slow one is still gated: bounded
+    runtime.call_soon(gate.set)
+    assert drain_loads(loader, 1)["slow"].ok
     assert_idle(loader)

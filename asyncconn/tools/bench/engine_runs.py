@@ -3,9 +3,9 @@
 Every comparison is measured side by side in one process run, on the same model and prompts:
 
 - ``ttft``: a second engine's time to first token on long prompts whose KV a first engine computed --
-  recomputed (no connector), loaded by asyncconn over ``file://`` and ``redis://``, and loaded by vLLM's
-  in-tree ``ExampleConnector``. The copy limit is the prompt's KV bytes over this machine's measured memcpy
-  bandwidth: what a load could not beat.
+  recomputed (no connector), loaded by asyncconn over ``file://`` (default 1 block per value, and 2) and
+  ``redis://``, and loaded by vLLM's in-tree ``ExampleConnector``. The copy limit is the prompt's KV bytes
+  over this machine's measured memcpy bandwidth: what a load could not beat.
 - ``decode``: decode tokens per second with the KV connector attached (``kv_both``, fresh prompts so
   nothing loads) and without, in alternating rounds.
 - ``ec``: PD's time per image request with embeddings loaded from the store vs encoded locally.
@@ -90,6 +90,9 @@ def ttft_bench(tokens: int = 4096, prompts: int = 3, model_name: str = "text-100
         configs: dict[str, Callable[[], Any] | None] = {
             "recompute (no connector)": None,
             "asyncconn file://": lambda: kv_config(backend_url=f"file://{workdir / 'store'}"),
+            "asyncconn file://, 2 blocks per value": lambda: kv_config(
+                backend_url=f"file://{workdir / 'store-2'}", kv_blocks_per_value=2
+            ),
             "asyncconn redis://": lambda: kv_config(backend_url=redis_url),
             "vLLM ExampleConnector": lambda: _example_connector(workdir / "example"),
         }
@@ -114,6 +117,7 @@ def ttft_bench(tokens: int = 4096, prompts: int = 3, model_name: str = "text-100
             hits = probe.metrics().get("vllm:external_prefix_cache_hits", 0)
             if make is not None and hits < prompts * (tokens // 32) * 32 * 0.99:
                 _say(f"{name}: only {hits} tokens came from the store")
+            _say(f"{name}: TTFT samples {[round(s, 3) for s in samples]} s")
             results[name] = samples
             close_llm(llm)
     bandwidth = memcpy_gbps()

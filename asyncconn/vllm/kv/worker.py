@@ -144,6 +144,7 @@ class KVWorkerSide:
         self.preempt_timeout = preempt_timeout
         self.caches: dict[str, torch.Tensor] = {}
         self._layer_caches: list[tuple[torch.Tensor, int]] = []  # (cache, KV cache group) per layer, in order
+        self._whole: tuple[int, ...] = ()  # every block position of a value
         self.layout: LayerLayout | None = None
         self._fetches: dict[str, _Fetch] = {}  # store key -> waiting targets
         self._req_loads: dict[str, _ReqLoad] = {}  # request id -> its load, until reported
@@ -162,6 +163,7 @@ class KVWorkerSide:
         self.layout = LayerLayout.detect(kv_caches, self.layers, self.num_blocks)
         self.caches = {name: kv_caches[name] for name in self.layers}
         self._layer_caches = [(self.caches[n], self.group_of_layer[n]) for n in self.layers]
+        self._whole = tuple(range(self.keys.blocks_per_value))
 
     def set_rank(self, rank: int) -> None:
         """This worker's TP rank (vLLM's TP group when initialized; simulators set it here)."""
@@ -201,8 +203,9 @@ class KVWorkerSide:
         self._poll_loads()
 
     def _poll_loads(self) -> None:
-        for result in self.loader.poll():
-            self._on_loaded(result)
+        # Each value is scattered as it is handed over; on CPU straight from the staging buffer (no copy
+        # into a new tensor first: the loader lends the buffer for the call and takes it back after).
+        self.loader.poll(self._on_loaded)
         if self._req_loads:
             now = time.monotonic()
             for rid, load in self._req_loads.items():
@@ -254,11 +257,24 @@ class KVWorkerSide:
         assert self.layout is not None
         dim = self.layout.block_dim
         device = value.device
-        positions = torch.tensor(ref.positions, dtype=torch.int64, device=device)
-        ids = [torch.tensor(g, dtype=torch.int64, device=device) for g in ref.block_ids]
-        for index, name in enumerate(self.layers):
-            src = value[index].index_select(dim, positions)
-            self.caches[name].index_copy_(dim, ids[self.group_of_layer[name]], src)
+        # Consecutive block ids (one block; or a run, as a fresh pool hands them out) are a plain slice of
+        # the cache: a copy_, no index tensor to build per value.
+        ids: list[int | torch.Tensor] = [
+            g[0]
+            if g == tuple(range(g[0], g[0] + len(g)))
+            else torch.tensor(g, dtype=torch.int64, device=device)
+            for g in ref.block_ids
+        ]
+        n = len(ref.positions)
+        whole = ref.positions == self._whole  # the whole value, in order: no gather of its blocks first
+        positions = None if whole else torch.tensor(ref.positions, dtype=torch.int64, device=device)
+        for index, (cache, group) in enumerate(self._layer_caches):
+            src = value[index] if positions is None else value[index].index_select(dim, positions)
+            where = ids[group]
+            if isinstance(where, int):
+                cache.narrow(dim, where, n).copy_(src)
+            else:
+                cache.index_copy_(dim, where, src)
 
     def _drop_target(self, rid: str, key: str, failed: set[int] | None) -> None:
         """Detach a request from a fetch (cancelling the fetch when nobody else waits for it)."""
@@ -407,8 +423,9 @@ class KVWorkerSide:
         reported in ``finished_sending`` once those saves are done.
 
         On a step that scheduled no tokens (``step_tokens == 0``) while loads are in flight, this waits up to
-        ``IDLE_WAIT_S`` for them to land (``StreamLoader.wait``): the engine has nothing else to do, and its
-        back-to-back empty steps would otherwise hold the GIL the loop thread needs to finish the loads.
+        ``IDLE_WAIT_S`` for them to land (``StreamLoader.wait``), scattering each one as it lands: the engine
+        has nothing else to do, and its back-to-back empty steps would otherwise hold the GIL the loop thread
+        needs to finish the loads.
         """
         aborted: set[str] = set()
         for rid in finished_req_ids:
@@ -427,8 +444,14 @@ class KVWorkerSide:
             if rid in self._had_saves:
                 self._had_saves.discard(rid)
                 self._finishing.add(rid)
-        if step_tokens == 0 and self._req_loads:
-            self.loader.wait(IDLE_WAIT_S)
+        if step_tokens == 0 and self._fetches:
+            # Scatter each value as it lands while the loop reads the next ones, until all are in or the
+            # bound has passed (the scatters themselves are work this step would do anyway).
+            deadline = time.monotonic() + IDLE_WAIT_S
+            while self.loader.wait(max(deadline - time.monotonic(), 0.0), first=True):
+                self._poll_loads()
+                if not self._fetches or time.monotonic() >= deadline:
+                    break
         self._poll_loads()
         recving: set[str] = set()
         for rid, load in list(self._req_loads.items()):
