@@ -36,7 +36,7 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime, copy_t
         store.backend.put([("bad", b"\x00" * 40), ("bad-frame", codec.encode(torch.zeros(8, 4))[:-1])])
     )
     # One pool, small enough that back-pressure happens: both engines draw from it, as on a worker.
-    pool = PinnedPool(64 * 4096, device=CpuDevice())
+    pool = PinnedPool(16 * 4096, device=CpuDevice())
     loader = StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=pool, max_inflight=32)
     tracker = SaveTracker(
         store, runtime=runtime, device=CpuDevice(), pool=pool, recent_keys=256, copy_thread=copy_thread
