@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = Log(out / "gpu-pack.log")
     target = (args.target or Path(tempfile.mkdtemp(prefix="asyncconn-gpu-site-"))).resolve()
+    target.mkdir(parents=True, exist_ok=True)
+    # The repository is used in place, not installed: its backends/ folder installs as
+    # `asyncconn_backends`, so that name is made importable here by a link in the install dir.
+    link = target / "asyncconn_backends"
+    if not link.exists():
+        link.symlink_to(ROOT / "backends", target_is_directory=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(target), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
