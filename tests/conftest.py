@@ -8,6 +8,7 @@ ask for it.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -165,6 +166,7 @@ _MARKER_OF_FIXTURE = {
 _IMPORTS_VLLM = re.compile(r"^(import vllm|from vllm[ .])", re.MULTILINE)
 
 
+@functools.cache
 def _imports_vllm(path: Path) -> bool:
     """A test module that imports vLLM at module level (to subclass its connector bases) is vLLM's whole."""
     return path.suffix == ".py" and bool(_IMPORTS_VLLM.search(path.read_text()))
