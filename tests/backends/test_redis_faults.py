@@ -291,12 +291,16 @@ async def test_racing_writers_never_show_a_torn_value(
     stop = asyncio.Event()
 
     async def write(store: TensorStore, value: torch.Tensor) -> None:
-        # At least 25 rounds, and on (up to a cap) until both readers have seen a whole value: how many
-        # reads fit between the writes depends on the machine, the rounds are counted, never timed.
+        # At least 25 rounds back to back, then on (up to a cap) until both readers have seen a whole
+        # value. Past the first 25, each writer leaves a growing gap after its put: on a loaded box four
+        # writers back to back can overlap every 17-chunk direct read, and a read that overlaps a write
+        # is (rightly) a miss, so the readers need some quiet windows to prove they see whole values.
         rounds = 0
         while rounds < 25 or (not (seen and seen_direct) and rounds < 2000):
             await store.put([("k", value)])
             rounds += 1
+            if rounds > 25:
+                await asyncio.sleep(min(0.05, 0.001 * (rounds - 25)))
 
     async def read() -> None:
         while not stop.is_set():
