@@ -68,6 +68,8 @@ _LOW_WATER = 0.9
 #: A read records a use only when the last one recorded is older than this (one ``utime`` per second at most).
 _TOUCH_NS = 1_000_000_000
 _PARALLEL_MIN = 4 << 20
+#: Values written by one pool job, in bytes (see ``_groups``).
+_GROUP_BYTES = 1 << 20
 _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 
@@ -120,6 +122,24 @@ class SweepReport:
     evicted: int
     #: temporary files of dead writers removed
     temp_removed: int
+
+
+def _groups(items: Sequence[tuple[str, Value]], sizes: Sequence[int]) -> list[list[tuple[str, Value]]]:
+    """``items`` cut into consecutive groups of about ``_GROUP_BYTES``, one pool job each.
+
+    A job per value costs a thread hand-off each way (two GIL hand-offs and wake-ups, several times the
+    write of a small value); one job for a whole batch would write large values one after another. Groups
+    keep small values together and still spread large ones over the pool's threads.
+    """
+    groups: list[list[tuple[str, Value]]] = []
+    size = 0
+    for item, nbytes in zip(items, sizes, strict=True):
+        if not groups or size + nbytes > _GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
 
 
 def _touch(fd: int, mtime_ns: int) -> None:
@@ -252,8 +272,11 @@ class FileBackend(StorageBackend):
     # -- blocking halves (pool threads) ----------------------------------------------------------------
     def _write(self, key: str, value: Value) -> None:
         path = self.path_for(key)
-        path.parent.mkdir(exist_ok=True)
-        tmp, fd = self._open_temp(path.parent)
+        try:
+            tmp, fd = self._open_temp(path.parent)
+        except FileNotFoundError:  # the key's directory, made on first use (not a mkdir per write)
+            path.parent.mkdir(exist_ok=True)
+            tmp, fd = self._open_temp(path.parent)
         try:
             for part in _parts(value):
                 rest = part
@@ -268,6 +291,10 @@ class FileBackend(StorageBackend):
             raise
         finally:
             os.close(fd)  # drops the lock
+
+    def _write_all(self, items: Sequence[tuple[str, Value]]) -> None:
+        for key, value in items:
+            self._write(key, value)
 
     @staticmethod
     def _open_temp(directory: Path) -> tuple[Path, int]:
@@ -472,7 +499,7 @@ class FileBackend(StorageBackend):
                 f"file store {str(self.root)!r}: a value of {max(sizes)} bytes is over max_bytes"
             )
         try:
-            await asyncio.gather(*(self._run(self._write, k, v) for k, v in items))
+            await asyncio.gather(*(self._run(self._write_all, group) for group in _groups(items, sizes)))
         finally:
             self._wrote(sum(sizes))
 
