@@ -43,6 +43,20 @@ def test_view_is_a_typed_window_on_the_same_memory() -> None:
     pool.release(buf)
 
 
+def test_repeated_views_are_one_tensor_and_other_shapes_are_fresh_windows() -> None:
+    pool = PinnedPool(1 << 20)
+    buf = pool.acquire(4 * 6)
+    assert buf is not None
+    first = buf.view(torch.float32, (2, 3))
+    assert buf.view(torch.float32, [2, 3]) is first  # the loop and the worker view it alike, load after load
+    flat = buf.view(torch.float32, (6,))
+    as_ints = buf.view(torch.int32, (2, 3))
+    assert flat is not first and flat.shape == (6,) and as_ints.dtype == torch.int32
+    flat.copy_(torch.arange(6, dtype=torch.float32))
+    assert buf.view(torch.float32, (2, 3)).tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    pool.release(buf)
+
+
 def test_full_pool_answers_not_now_then_serves_after_a_release() -> None:
     pool = PinnedPool(16384)
     held = [pool.acquire(4096) for _ in range(4)]
