@@ -13,6 +13,7 @@ the ``asyncconn.backends`` entry-point group; built-in schemes cannot be silentl
 from __future__ import annotations
 
 import abc
+import asyncio
 import importlib
 import importlib.metadata
 import threading
@@ -34,6 +35,7 @@ from asyncconn.url import Param, StoreURL, parse_url, redact, scrub
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Buffer",
+    "IntoRead",
     "SelfChecked",
     "Sink",
     "sink_verifies",
@@ -57,6 +59,8 @@ Buffer = bytes | bytearray | memoryview
 Value = Buffer | Sequence[Buffer]
 #: Receives consecutive pieces of a value as a direct read lands them (see ``StorageBackend.get_into``).
 Sink = Callable[[memoryview], None]
+#: One read of :meth:`StorageBackend.get_into_many`: the key, the buffers to fill in order, and its sink.
+IntoRead = tuple[str, Sequence[memoryview], Sink | None]
 
 
 def sink_verifies(sink: Sink | None) -> bool:
@@ -227,6 +231,22 @@ class StorageBackend(abc.ABC):
             for target in targets:
                 sink(target)
         return total
+
+    #: True when :meth:`get_into_many` beats one :meth:`get_into` per value (one job for the batch).
+    batch_reads: ClassVar[bool] = False
+
+    async def get_into_many(self, reads: Sequence[IntoRead]) -> list[int | None]:
+        """:meth:`get_into` for several values at once; results in order.
+
+        Why: a load step reads many values (a 4k-token prefix is 128 of them), and the fixed cost of each
+        call -- a task, a timeout, a thread hand-off -- was most of a page-cached read's time. A backend that
+        can serve a batch in one job overrides this and sets ``batch_reads``; the default is a gather.
+
+        A sink must not raise here: one bad value would fail its neighbours' reads. (``TensorStore`` hands
+        sinks that record a bad frame and stop checking instead.) An error of the store itself fails the
+        whole call.
+        """
+        return list(await asyncio.gather(*(self.get_into(key, dests, sink) for key, dests, sink in reads)))
 
     async def __aenter__(self) -> StorageBackend:
         return self

@@ -173,24 +173,54 @@ class TensorStore:
         self._count(status is Fetch.HIT)
         return status
 
+    @property
+    def batch_reads(self) -> bool:
+        """Whether :meth:`read_into_many` reads a batch in one backend call (worth grouping loads for)."""
+        return self.backend.batch_reads and self.backend.reads_into
+
+    async def read_into_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[Fetch]:
+        """:meth:`read_into` for several values in one backend call; outcomes in order.
+
+        A bad value is a CORRUPT outcome for that value only; a store error or timeout raises for the whole
+        batch (as it would have failed each read). Destinations a backend cannot read into straight are
+        read one by one.
+        """
+        for _, out in items:
+            codec.check_tensor(out, "the destination")
+        if not (self.batch_reads and all(o.is_contiguous() and o.device.type == "cpu" for _, o in items)):
+            return [await self.read_into(key, out) for key, out in items]
+        reads = [_DirectRead(key, out, self.max_payload) for key, out in items]
+        lengths = await self._call(self.backend.get_into_many([r.request() for r in reads]), "get")
+        statuses = [self._settle(read, length) for read, length in zip(reads, lengths, strict=True)]
+        for status in statuses:
+            self._count(status is Fetch.HIT)
+        return statuses
+
     async def _get_into_direct(self, key: str, out: torch.Tensor) -> Fetch:
-        header_buf = bytearray(codec.header_size(out.dim()))
-        payload = codec.tensor_bytes(out)
-        verifier = codec.FrameVerifier(out, max_payload=self.max_payload, key=key)
+        read = _DirectRead(key, out, self.max_payload)
+        try:  # the verifier itself as the sink: a bad frame stops the read at once
+            length = await self._call(self.backend.get_into(key, read.dests(), read.verifier), "get")
+        except CodecError as exc:
+            read.error = exc
+            length = 0
+        return self._settle(read, length)
+
+    def _settle(self, read: _DirectRead, length: int | None) -> Fetch:
+        """The outcome of one direct read the backend has finished (``length``: what it reported)."""
         try:
-            length = await self._call(
-                self.backend.get_into(key, [memoryview(header_buf), payload], verifier), "get"
-            )
+            if read.error is not None:
+                raise read.error
             if length is None:
                 return Fetch.MISS
-            if length != len(header_buf) + payload.nbytes:
+            expected = len(read.header) + read.payload.nbytes
+            if length != expected:
+                out = read.out
                 raise FrameMismatch(
-                    f"stored value is {length} bytes; a frame of {out.dtype}{list(out.shape)} is "
-                    f"{len(header_buf) + payload.nbytes}"
+                    f"stored value is {length} bytes; a frame of {out.dtype}{list(out.shape)} is {expected}"
                 )
-            verifier.finish()
+            read.verifier.finish()
         except CodecError as exc:
-            self._corrupt(key, exc)
+            self._corrupt(read.key, exc)
             return Fetch.CORRUPT
         self.stats.bytes_read += length
         return Fetch.HIT
@@ -237,3 +267,39 @@ class TensorStore:
     def _corrupt(self, key: str, exc: CodecError) -> None:
         self.stats.corrupt += 1
         log.warning("%s: value under %r is not a valid frame, treated as a miss: %s", self.name, key, exc)
+
+
+class _DirectRead:
+    """One value read straight into a destination tensor: its header buffer, payload view and checker.
+
+    Also the read's sink. Fed a bad frame it keeps the error and ignores the rest instead of raising, so a
+    backend reading a batch in one job does not fail the other values' reads for it; the store reports the
+    error when the read is settled.
+    """
+
+    __slots__ = ("error", "header", "key", "out", "payload", "verifier")
+
+    #: Every byte fed is checked against the frame's checksum (``asyncconn.backend.sink_verifies``).
+    verifies_value = True
+
+    def __init__(self, key: str, out: torch.Tensor, max_payload: int) -> None:
+        self.key = key
+        self.out = out
+        self.header = bytearray(codec.header_size(out.dim()))
+        self.payload = codec.tensor_bytes(out)
+        self.verifier = codec.FrameVerifier(out, max_payload=max_payload, key=key)
+        self.error: CodecError | None = None
+
+    def dests(self) -> list[memoryview]:
+        return [memoryview(self.header), self.payload]
+
+    def request(self) -> tuple[str, list[memoryview], _DirectRead]:
+        """The read as ``get_into_many`` takes it, with this object as its (never raising) sink."""
+        return self.key, self.dests(), self
+
+    def __call__(self, piece: memoryview) -> None:
+        if self.error is None:
+            try:
+                self.verifier.feed(piece)
+            except CodecError as exc:
+                self.error = exc

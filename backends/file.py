@@ -33,7 +33,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +42,7 @@ from urllib.parse import quote
 
 from asyncconn.backend import (
     Buffer,
+    IntoRead,
     Sink,
     StorageBackend,
     Value,
@@ -195,6 +196,7 @@ class FileBackend(StorageBackend):
         ),
     }
     reads_into: ClassVar[bool] = True
+    batch_reads: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -363,6 +365,9 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
 
+    def _read_many(self, reads: Sequence[IntoRead]) -> list[int | None]:
+        return [self._read_into(key, dests, sink) for key, dests, sink in reads]
+
     def _read_split(self, fd: int, views: list[memoryview], size: int, flags: int = 0) -> int:
         """Split one large read over threads: the page-cache copy is the cost and preadv drops the GIL.
 
@@ -522,10 +527,24 @@ class FileBackend(StorageBackend):
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # e.g. a filesystem without NOWAIT
                     raise self._translate(exc) from exc
                 self.inline_reads = False
-        # A pool thread cannot be stopped mid-read. If the caller is cancelled (a timeout), wait for the
-        # read to finish before letting the cancellation through, so the caller never recycles a buffer
-        # that a thread is still writing into. Local reads are bounded; the wait is short.
-        job = asyncio.ensure_future(self._run(self._read_into, key, dests, sink))
+        return await self._until_done(self._run(self._read_into, key, dests, sink))
+
+    async def get_into_many(self, reads: Sequence[IntoRead]) -> list[int | None]:
+        """The whole batch in one pool job: its reads and checksums run on a pool thread (``preadv`` and
+        xxh3 of large buffers drop the GIL), the loop pays one hand-off, and a caller that sends several
+        batches at once gets them read in parallel by the pool's threads."""
+        for key, dests, _ in reads:
+            checked_dests(key, dests)
+        if not reads:
+            return []
+        return await self._until_done(self._run(self._read_many, reads))
+
+    @staticmethod
+    async def _until_done(read: Awaitable[T]) -> T:
+        """Await a pool read; if cancelled (a timeout), wait for it to finish before letting the
+        cancellation through. A pool thread cannot be stopped mid-read, and the caller must never recycle a
+        buffer that a thread is still writing into. Local reads are bounded; the wait is short."""
+        job = asyncio.ensure_future(read)
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:

@@ -4,11 +4,14 @@ A load moves through three states, each owned by one thread (docs/architecture.m
 
 1. *queued* (worker): waiting for a staging buffer. When the pool answers "not now" the key stays queued, in
    order, and is retried on the next :meth:`StreamLoader.poll` -- back-pressure instead of an allocation.
-2. *fetching* (loop): ``TensorStore.get_into`` reads and validates the frame straight into the staging buffer.
-   The loop never touches CUDA. The loads started by one ``submit``/``poll`` call are handed to the loop
-   together (one wake-up, one task per load so each can be cancelled); when a load's task ends, its
+2. *fetching* (loop): ``TensorStore.read_into`` reads and validates the frame straight into the staging
+   buffer. The loop never touches CUDA. The loads started by one ``submit``/``poll`` call are handed to the
+   loop together (one wake-up, one task per load so each can be cancelled); when a load's task ends, its
    done-callback records the outcome and puts the load on a thread-safe deque that the worker drains in
-   ``poll()``; nothing is scanned.
+   ``poll()``; nothing is scanned. On a store that reads batches in one call (``TensorStore.batch_reads``:
+   ``file://``), loads of a known shape go in groups of about ``GROUP_BYTES`` instead, one task and one
+   store call per group: the fixed cost of a call, several times a page-cached read of a KV value, is paid
+   once per group, and the reads and checksums run on the store's threads, not the loop.
 3. *copying* (worker): the worker issues the H2D copy on the side stream, records an event, and hands the
    tensor out from a later ``poll()`` once ``event.query()`` is true. The staging buffer goes back to the pool
    at the same moment (the copy has read it).
@@ -17,9 +20,10 @@ Failures -- miss, corrupt, timeout, store error, too large, device error -- come
 :class:`LoadResult` values with a reason; no exception from the store ever reaches the worker thread.
 
 Cancellation (``cancel(key)``) never frees a buffer that something may still write: a queued load is simply
-dropped; a fetching load's task is cancelled *on the loop* and its buffer is returned only when the task's
-done-callback has reported it, i.e. after the task has really stopped (a cancelled
-``concurrent.futures.Future`` would report "done" before the loop task has run its cancellation); a copying
+dropped; a fetching load's task is cancelled *on the loop* (a load in a group is only marked: its group's
+read goes on for the others) and its buffer is returned only when the task's done-callback has reported it,
+i.e. after the task has really stopped (a cancelled ``concurrent.futures.Future`` would report "done" before
+the loop task has run its cancellation); a copying
 load keeps its buffer until its event fires, and its device tensor is dropped (it was allocated on the side
 stream, so the allocator cannot hand it out before the copy is done).
 """
@@ -52,9 +56,14 @@ from asyncconn.transfer.dest import NewTensor
 from asyncconn.transfer.failures import Failure, classify
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 
-__all__ = ["LoadResult", "StreamLoader"]
+__all__ = ["GROUP_BYTES", "LoadResult", "StreamLoader"]
 
 log = logging.getLogger(__name__)
+
+#: Staging bytes read by one store call when the backend serves batches (``TensorStore.batch_reads``).
+#: Small enough that the first values land (and the worker copies them out) while later groups are read;
+#: large enough that a call's fixed cost is spread over several values.
+GROUP_BYTES = 4 << 20
 
 _QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
 
@@ -413,15 +422,26 @@ class StreamLoader:
         """
         single_thread_torch()  # the loop's own copies must not start an OpenMP team beside the engine's
         tasks: list[asyncio.Task[None]] = []
+        group: list[_Load] = []
+        group_bytes = 0
         for load in loads:
             if load.cancel_requested:  # cancelled before the loop got here: nothing was written
                 self._hand_back(load, _Fetched(Failure.STORE_ERROR, "cancelled"))
                 continue
             assert load.buf is not None
+            if self.store.batch_reads and load.dest.shape is not None and load.dest.dtype is not None:
+                group.append(load)
+                group_bytes += load.dest.staging_nbytes
+                if group_bytes >= GROUP_BYTES:
+                    tasks.append(self._start_group(group))
+                    group, group_bytes = [], 0
+                continue
             task = asyncio.ensure_future(self._fetch_and_land(load, load.buf))
             load.task = task
             task.add_done_callback(functools.partial(self._fetch_done, load))
             tasks.append(task)
+        if group:
+            tasks.append(self._start_group(group))
         if not tasks:
             return
         try:
@@ -431,6 +451,39 @@ class StreamLoader:
                 task.cancel()
             await asyncio.wait(tasks)
             raise
+
+    def _start_group(self, loads: list[_Load]) -> asyncio.Task[None]:
+        """One task reads ``loads`` in one store call (a backend with ``batch_reads``), handing each back as
+        the call ends. Their ``task`` stays None: cancelling one of them marks it only, and the worker drops
+        its value when the group lands -- its buffer is being written until then, and a group is a few MiB
+        of one local read."""
+        task = asyncio.ensure_future(self._fetch_group(loads))
+        task.add_done_callback(functools.partial(self._group_done, loads))
+        return task
+
+    async def _fetch_group(self, loads: list[_Load]) -> None:
+        items = []
+        for load in loads:
+            assert load.buf is not None and load.dest.dtype is not None and load.dest.shape is not None
+            items.append((load.key, load.buf.view(load.dest.dtype, load.dest.shape)))
+        statuses = await self.store.read_into_many(items)
+        fetched = [
+            self._outcome(status, load.dest.dtype, load.dest.shape)
+            for status, load in zip(statuses, loads, strict=True)
+        ]
+        for load, one in zip(loads, fetched, strict=True):
+            self._hand_back(load, one)
+
+    def _group_done(self, loads: list[_Load], task: asyncio.Task[None]) -> None:
+        """A group's task ended without handing its loads back (cancelled, or the store failed): do it."""
+        if task.cancelled():
+            fetched = _Fetched(Failure.STORE_ERROR, "fetch cancelled (loader or runtime closed)")
+        elif (exc := task.exception()) is not None:
+            fetched = _Fetched(*classify(exc))
+        else:
+            return
+        for load in loads:
+            self._hand_back(load, fetched)
 
     async def _fetch_and_land(self, load: _Load, buf: PinnedBuffer) -> None:
         """Fetch, then hand the load back at once: not from the task's done-callback, which the loop runs
@@ -466,11 +519,16 @@ class StreamLoader:
     async def _fetch_exact(
         self, key: str, buf: PinnedBuffer, dtype: torch.dtype, shape: tuple[int, ...]
     ) -> _Fetched:
-        status = await self.store.read_into(key, buf.view(dtype, shape))
-        if status is Fetch.HIT:
+        return self._outcome(await self.store.read_into(key, buf.view(dtype, shape)), dtype, shape)
+
+    @staticmethod
+    def _outcome(status: Fetch, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> _Fetched:
+        if status is Fetch.HIT and dtype is not None and shape is not None:
             return _Fetched(dtype=dtype, shape=shape)
         if status is Fetch.CORRUPT:
-            return _Fetched(Failure.CORRUPT, f"value is not a valid frame, expected {dtype}{list(shape)}")
+            return _Fetched(
+                Failure.CORRUPT, f"value is not a valid frame, expected {dtype}{list(shape or ())}"
+            )
         return _Fetched(Failure.MISS, "not in the store")
 
     async def _fetch_any(self, key: str, buf: PinnedBuffer) -> _Fetched:

@@ -128,6 +128,52 @@ async def test_get_into_fills_buffers_or_reports_length(backend: StorageBackend)
     assert await backend.get_into("absent", [memoryview(small)]) is None
 
 
+async def test_get_into_many_is_get_into_per_value_in_order(backend: StorageBackend) -> None:
+    values = {"m0": _val(3 << 20, 1), "m1": _val(1000, 2), "m2": _val(1 << 20, 3)}
+    await backend.put(list(values.items()))
+    bufs = {k: bytearray(len(v)) for k, v in values.items()}
+    seen: dict[str, list[bytes]] = {k: [] for k in values}
+    small = bytearray(10)
+    reads = [
+        (k, [memoryview(bufs[k])], lambda v, k=k: seen[k].append(bytes(v)))  # type: ignore[misc]
+        for k in values
+    ]
+    reads.insert(1, ("absent", [memoryview(bytearray(4))], None))
+    reads.append(("m1", [memoryview(small)], None))  # size mismatch: the length, nothing written
+    got = await backend.get_into_many(reads)
+    assert got == [len(values["m0"]), None, len(values["m1"]), len(values["m2"]), len(values["m1"])]
+    for key, value in values.items():
+        assert bytes(bufs[key]) == value and b"".join(seen[key]) == value, key
+    assert bytes(small) == b"\0" * 10
+    assert await backend.get_into_many([]) == []
+
+
+async def test_read_into_many_tells_each_value_apart(backend: StorageBackend) -> None:
+    """One bad value in a batch is CORRUPT for itself only; hits land byte for byte, misses are misses."""
+    store = TensorStore(backend, timeout=10)
+    good = {f"g{i}": torch.randn(64, 1024) for i in range(5)}
+    await store.put(good.items())
+    await backend.put([("bad", b"ACNF" + b"\x01" * 60)])
+    outs = {k: torch.empty(64, 1024) for k in [*good, "bad", "none"]}
+    outs["short"] = torch.empty(64, 512)  # g0's frame has twice these bytes
+    keys = ["g0", "bad", "g1", "none", "g2", "g3", "g4"]
+    got = await store.read_into_many([(k, outs[k]) for k in keys] + [("g0", outs["short"])])
+    assert got == [
+        Fetch.HIT,
+        Fetch.CORRUPT,
+        Fetch.HIT,
+        Fetch.MISS,
+        Fetch.HIT,
+        Fetch.HIT,
+        Fetch.HIT,
+        Fetch.CORRUPT,
+    ]
+    for key, value in good.items():
+        assert torch.equal(outs[key], value), key
+    assert store.stats.hits == 5 and store.stats.misses == 3 and store.stats.corrupt == 2
+    assert await store.read_into_many([]) == []
+
+
 async def test_many_keys_in_one_batch(backend: StorageBackend) -> None:
     items = [(f"k{i}", f"v{i}".encode()) for i in range(300)]
     await backend.put(items)

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import ClassVar
 
-from asyncconn.backend import Buffer, Sink, StorageBackend, Value
+from asyncconn.backend import Buffer, IntoRead, Sink, StorageBackend, Value
 from asyncconn.exceptions import BackendUnavailable
 from asyncconn.url import StoreURL
 
@@ -72,6 +72,9 @@ class GatedBackend(StorageBackend):
                     dest.cast("B")[:] = b"\xee" * dest.nbytes
                 self.late_writes += 1
             raise
+        return self._read_value(key, dests, sink)
+
+    def _read_value(self, key: str, dests: Sequence[memoryview], sink: Sink | None) -> int | None:
         value = self.data.get(key)
         if value is None:
             return None
@@ -93,3 +96,28 @@ class GatedBackend(StorageBackend):
 
     async def close(self) -> None:
         return None
+
+
+class GatedBatchBackend(GatedBackend):
+    """A :class:`GatedBackend` that serves ``get_into_many`` in one call (``batch_reads``), as ``file://``
+    does: the whole batch waits on the gate once, and ``batches`` records each call's keys. A batch holding
+    a key of ``fail_keys`` raises (a store error fails the whole call, per the contract)."""
+
+    batch_reads: ClassVar[bool] = True
+
+    def __init__(self, *, gated: bool = True) -> None:
+        super().__init__(gated=gated)
+        self.batches: list[list[str]] = []
+        self.fail_keys: set[str] = set()
+
+    async def get_into_many(self, reads: Sequence[IntoRead]) -> list[int | None]:
+        self.entered.set()
+        self.batches.append([key for key, _, _ in reads])
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancel_seen.set()
+            raise
+        if any(key in self.fail_keys for key, _, _ in reads):
+            raise BackendUnavailable("store went away mid-read")
+        return [self._read_value(key, dests, sink) for key, dests, sink in reads]

@@ -1,0 +1,164 @@
+"""StreamLoader over a store that reads batches in one call (``TensorStore.batch_reads``, e.g. ``file://``).
+
+Loads of a known shape are read in groups of about ``GROUP_BYTES``, one store call each. What must hold on top
+of the per-value path: each value of a group lands byte for byte; a bad value fails only itself; a store
+error fails only its group; a cancelled load of a group keeps its buffer until the group's read has ended,
+and nothing is reported for it; every count comes back to zero.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncconn import codec
+from asyncconn.runtime import Runtime
+from asyncconn.store import TensorStore
+from asyncconn.transfer import CpuDevice, Failure, NewTensor, PinnedPool, StreamLoader
+from asyncconn.transfer import loader as loader_module
+from tests.transfer.fakes import GatedBatchBackend
+from tests.transfer.helpers import drain_loads, wait_until
+
+SHAPE = (256,)  # 1 KiB of float32 per value
+VALUE_BYTES = 1024
+
+
+def make_loader(store: TensorStore, runtime: Runtime, capacity: int = 1 << 20) -> StreamLoader:
+    return StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(capacity))
+
+
+def assert_idle(loader: StreamLoader) -> None:
+    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    assert loader.pool.buffers_out == 0 and loader.pending() == 0
+
+
+def value(i: int) -> torch.Tensor:
+    return torch.full(SHAPE, float(i))
+
+
+@pytest.fixture
+def three_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Groups of three 1 KiB values (staging buffers are 4 KiB: the pool's smallest class is a page)."""
+    monkeypatch.setattr(loader_module, "GROUP_BYTES", 3 * VALUE_BYTES)
+
+
+@pytest.fixture
+def batch(runtime: Runtime) -> Iterator[GatedBatchBackend]:
+    backend = GatedBatchBackend()
+    for i in range(10):
+        backend.data[f"k{i}"] = codec.encode(value(i), key=f"k{i}")
+    yield backend
+    runtime.call_soon(backend.gate.set)
+
+
+def test_a_step_is_read_in_groups_each_value_landing_whole(
+    runtime: Runtime, batch: GatedBatchBackend, three_per_group: None
+) -> None:
+    runtime.call_soon(batch.gate.set)
+    loader = make_loader(TensorStore(batch, name="batch"), runtime)
+    loader.submit_many((f"k{i}", NewTensor(SHAPE, torch.float32)) for i in range(10))
+    results = drain_loads(loader, 10)
+    assert batch.batches == [["k0", "k1", "k2"], ["k3", "k4", "k5"], ["k6", "k7", "k8"], ["k9"]]
+    for i in range(10):
+        got = results[f"k{i}"].tensor
+        assert got is not None and torch.equal(got, value(i)), i
+    assert_idle(loader)
+
+
+def test_loads_without_a_shape_are_read_one_by_one(runtime: Runtime, batch: GatedBatchBackend) -> None:
+    runtime.call_soon(batch.gate.set)
+    loader = make_loader(TensorStore(batch, name="batch"), runtime)
+    loader.submit_many([("k1", NewTensor(max_nbytes=4096)), ("k2", NewTensor(SHAPE, torch.float32))])
+    results = drain_loads(loader, 2)
+    assert batch.batches == [["k2"]]  # k1's size is only known from its frame: the per-value path
+    assert all(r.ok for r in results.values())
+    assert_idle(loader)
+
+
+def test_a_store_error_fails_its_group_only(
+    runtime: Runtime, batch: GatedBatchBackend, three_per_group: None
+) -> None:
+    batch.fail_keys = {"k4"}
+    runtime.call_soon(batch.gate.set)
+    loader = make_loader(TensorStore(batch, name="batch"), runtime)
+    loader.submit_many((f"k{i}", NewTensor(SHAPE, torch.float32)) for i in range(9))
+    results = drain_loads(loader, 9)
+    failed = {k for k, r in results.items() if not r.ok}
+    assert failed == {"k3", "k4", "k5"}
+    assert {results[k].failure for k in failed} == {Failure.STORE_ERROR}
+    assert all(torch.equal(results[f"k{i}"].tensor, value(i)) for i in (0, 1, 2, 6, 7, 8))  # type: ignore[arg-type]
+    assert_idle(loader)
+
+
+def test_a_cancelled_load_keeps_its_buffer_until_its_group_has_landed(
+    runtime: Runtime, batch: GatedBatchBackend, three_per_group: None
+) -> None:
+    loader = make_loader(TensorStore(batch, name="batch"), runtime)
+    loader.submit_many((f"k{i}", NewTensor(SHAPE, torch.float32)) for i in range(3))
+    assert batch.entered.wait(5)
+    assert loader.cancel("k1")
+    for _ in range(20):
+        assert loader.poll() == []
+    # The group's read may still write k1's buffer: it stays on loan.
+    assert loader.counters()["buffers_out"] == 3 and loader.counters()["futures_pending"] == 3
+    assert not batch.cancel_seen.is_set()  # the others' read goes on
+    runtime.call_soon(batch.gate.set)
+    results = drain_loads(loader, 2)
+    wait_until(lambda: (loader.poll(), loader.counters()["futures_pending"] == 0)[1], "the cancelled load")
+    assert sorted(results) == ["k0", "k2"]  # nothing is reported for k1
+    assert loader.cancelled == 1
+    assert_idle(loader)
+
+
+def test_runtime_closing_mid_group_fails_its_loads_and_returns_buffers(
+    batch: GatedBatchBackend, three_per_group: None
+) -> None:
+    rt = Runtime(name="closing").start()
+    loader = make_loader(TensorStore(batch, name="batch"), rt)
+    loader.submit_many((f"k{i}", NewTensor(SHAPE, torch.float32)) for i in range(5))
+    assert batch.entered.wait(5)
+    rt.close()
+    results = drain_loads(loader, 5)
+    assert {r.failure for r in results.values()} == {Failure.STORE_ERROR}
+    assert all("cancelled" in r.detail for r in results.values())
+    assert_idle(loader)
+
+
+# -- on a real file:// store -----------------------------------------------------------------------------
+@pytest.fixture
+def file_store(runtime: Runtime, tmp_path: Path) -> Iterator[TensorStore]:
+    store = runtime.run(TensorStore.open(f"file://{tmp_path}/store"))
+    assert store.batch_reads
+    yield store
+    runtime.run(store.close())
+
+
+def test_file_store_loads_a_prefix_in_groups_and_a_bad_value_fails_alone(
+    runtime: Runtime, file_store: TensorStore
+) -> None:
+    shape = (14, 2, 32, 64)  # 229 KiB: a few per default group
+    values = {f"v{i}": torch.randn(shape) for i in range(40)}
+    runtime.run(file_store.put(values.items()))
+    backend = file_store.backend
+    bad = backend.path_for("v17")  # type: ignore[attr-defined]
+    with open(bad, "r+b") as f:  # one flipped payload byte: the frame's checksum fails
+        f.seek(os.path.getsize(bad) - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.unlink(backend.path_for("v30"))  # type: ignore[attr-defined]
+    loader = make_loader(file_store, runtime, capacity=64 << 20)
+    loader.submit_many((k, NewTensor(shape, torch.float32)) for k in values)
+    results = drain_loads(loader, len(values))
+    assert results["v17"].failure is Failure.CORRUPT
+    assert results["v30"].failure is Failure.MISS
+    for key, expected in values.items():
+        if key not in ("v17", "v30"):
+            got = results[key].tensor
+            assert got is not None and torch.equal(got, expected), key
+    assert file_store.stats.corrupt == 1 and file_store.stats.hits == 38
+    assert_idle(loader)
