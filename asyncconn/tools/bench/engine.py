@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-model", default="text", choices=("text", "text-100m"), help="decode: model (default text)"
     )
+    parser.add_argument(
+        "--decode-batches", type=_args.count, default=5, help="decode: timed batches per engine (median)"
+    )
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
 
 
@@ -45,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
         if item == "ttft":
             summaries.append(engine_runs.ttft_bench(tokens=args.tokens, prompts=args.prompts))
         elif item == "decode":
-            summaries.append(engine_runs.decode_bench(model_name=args.decode_model, rounds=args.rounds))
+            summaries.append(
+                engine_runs.decode_bench(
+                    model_name=args.decode_model, rounds=args.rounds, batches=args.decode_batches
+                )
+            )
         else:
             summaries.append(engine_runs.ec_bench(rounds=args.rounds))
     if args.json:

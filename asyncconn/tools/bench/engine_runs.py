@@ -149,9 +149,14 @@ def _example_connector(path: Path) -> Any:
 
 
 def decode_bench(
-    model_name: str = "text", rounds: int = 3, requests: int = 8, max_tokens: int = 128
+    model_name: str = "text", rounds: int = 3, requests: int = 8, max_tokens: int = 128, batches: int = 5
 ) -> dict[str, Any]:
-    """Decode tokens/s with the KV connector attached (nothing to load) vs without, alternating rounds."""
+    """Decode tokens/s with the KV connector attached (nothing to load) vs without, alternating rounds.
+
+    Each engine is timed on ``batches`` batches of fresh prompts (its median is its rate), and the ratio is
+    the median of the per-round ratios: the two engines of a round run back to back, so a box whose speed
+    drifts between rounds (a shared VM's does, by 30%) moves both sides of a round's ratio alike.
+    """
     from vllm import SamplingParams
 
     from asyncconn.tools.tiny_models import build_model
@@ -160,35 +165,43 @@ def decode_bench(
     vocab = 8000 if model_name == "text-100m" else 1000
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-"))
-    rates: dict[str, list[float]] = {"no connector": [], "asyncconn kv_both (file://)": []}
+    without, with_kv = "no connector", "asyncconn kv_both (file://)"
+    rates: dict[str, list[float]] = {without: [], with_kv: []}
     rng = random.Random(3)
     # One in-process engine at a time (closing one tears down vLLM's process groups): each round builds
     # both engines afresh, in alternating order.
     for round_no in range(rounds):
         names = list(rates) if round_no % 2 == 0 else list(reversed(rates))
         for name in names:
-            kv = None if name == "no connector" else kv_config(backend_url=f"file://{workdir / 'store'}")
+            kv = None if name == without else kv_config(backend_url=f"file://{workdir / 'store'}")
             llm = make_llm(model, kv=kv, max_num_seqs=requests)
             try:
                 warm = [[rng.randrange(5, vocab) for _ in range(64)]]
                 llm.generate([{"prompt_token_ids": p} for p in warm], sampling, use_tqdm=False)
-                prompts = [[rng.randrange(5, vocab) for _ in range(64)] for _ in range(requests)]
-                started = time.perf_counter()
-                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
-                elapsed = time.perf_counter() - started
-                rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+                samples = []
+                for _ in range(batches):
+                    prompts = [[rng.randrange(5, vocab) for _ in range(64)] for _ in range(requests)]
+                    started = time.perf_counter()
+                    outputs = llm.generate(
+                        [{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False
+                    )
+                    elapsed = time.perf_counter() - started
+                    samples.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+                rates[name].append(statistics.median(samples))
                 Probe(llm).settle()
             finally:
                 close_llm(llm)
-    base = statistics.median(rates["no connector"])
+    ratios = [w / b for w, b in zip(rates[with_kv], rates[without], strict=True)]
     figures: dict[str, Any] = {}
     for name, values in rates.items():
         figures[f"{name}: tokens/s median"] = round(statistics.median(values), 1)
-    figures["with connector / without"] = round(
-        statistics.median(rates["asyncconn kv_both (file://)"]) / base, 3
-    )
+    figures["with connector / without, per round"] = [round(r, 3) for r in ratios]
+    figures["with connector / without"] = round(statistics.median(ratios), 3)
     return {
-        "title": f"decode throughput, {requests} requests x {max_tokens} tokens ({model_name})",
+        "title": (
+            f"decode throughput, {requests} requests x {max_tokens} tokens ({model_name}), "
+            f"{batches} batches per engine, {rounds} rounds"
+        ),
         "figures": figures,
     }
 

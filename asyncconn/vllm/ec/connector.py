@@ -32,11 +32,11 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
 from asyncconn.config import Settings
-from asyncconn.exceptions import RuntimeStateError
 from asyncconn.lookup import EXISTS, LookupConfig, open_lookup_client
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport
 from asyncconn.vllm.ec.scheduler import ECSchedulerSide
 from asyncconn.vllm.ec.worker import ECWorkerSide
+from asyncconn.vllm.roles import RoleSides
 
 __all__ = ["AsyncConnECConnector", "AsyncConnECStats"]
 
@@ -69,8 +69,13 @@ def _expected_workers(vllm_config: Any) -> int:
     return int(pc.tensor_parallel_size) * int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
 
 
-class AsyncConnECConnector(ECConnectorBase):  # type: ignore[misc]
+class AsyncConnECConnector(
+    ECConnectorBase,  # type: ignore[misc]  # vLLM is not followed
+    RoleSides[ECSchedulerSide, ECWorkerSide],
+):
     """Non-blocking EC connector over any asyncconn store (see the package docstring for the lifecycle)."""
+
+    connector_kind = "EC"
 
     def __init__(self, vllm_config: Any, role: ECConnectorRole) -> None:
         super().__init__(vllm_config, role)
@@ -92,24 +97,6 @@ class AsyncConnECConnector(ECConnectorBase):  # type: ignore[misc]
         self._reported: dict[str, int] = {}
 
     # -- the one object this facade delegates to -------------------------------------------------------
-    @property
-    def scheduler_side(self) -> ECSchedulerSide:
-        """The scheduler side; :class:`RuntimeStateError` on a worker-role connector.
-
-        Why not :class:`ConfigError`: no setting is wrong -- vLLM fixed the role when it built this object,
-        and a method of the other role was called on it (a misuse of the object in its state).
-        """
-        if self._scheduler is None:
-            raise RuntimeStateError("a scheduler-side EC method was called on a worker-side connector")
-        return self._scheduler
-
-    @property
-    def worker_side(self) -> ECWorkerSide:
-        """The worker side; :class:`RuntimeStateError` on a scheduler-role connector."""
-        if self._worker is None:
-            raise RuntimeStateError("a worker-side EC method was called on a scheduler-side connector")
-        return self._worker
-
     # -- scheduler side ---------------------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
         return self.scheduler_side.has_cache_item(identifier)

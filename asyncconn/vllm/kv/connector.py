@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from asyncconn.config import Settings
-from asyncconn.exceptions import BackendTimeout, ConfigError, RuntimeStateError
+from asyncconn.exceptions import BackendTimeout, ConfigError
 from asyncconn.lookup import PREFIX, LookupConfig, open_lookup_client
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
@@ -43,6 +43,7 @@ from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from asyncconn.vllm.kv.worker import KVWorkerSide
+from asyncconn.vllm.roles import RoleSides
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,8 +92,14 @@ def _tensor_parallel(vllm_config: Any) -> tuple[int, int]:
     return int(vllm_config.parallel_config.tensor_parallel_size), 0
 
 
-class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is not followed
+class AsyncConnKVConnector(
+    KVConnectorBase_V1,  # type: ignore[misc]  # vLLM is not followed
+    SupportsHMA,  # type: ignore[misc]
+    RoleSides[KVSchedulerSide, KVWorkerSide],
+):
     """The facade vLLM loads; see the module docstring."""
+
+    connector_kind = "KV"
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -167,24 +174,6 @@ class AsyncConnKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
         )
 
     # -- the one object this facade delegates to -------------------------------------------------------
-    @property
-    def scheduler_side(self) -> KVSchedulerSide:
-        """The scheduler side; :class:`RuntimeStateError` on a worker-role connector.
-
-        Why not :class:`ConfigError`: no setting is wrong -- vLLM fixed the role when it built this object,
-        and a method of the other role was called on it (a misuse of the object in its state).
-        """
-        if self._scheduler is None:
-            raise RuntimeStateError("a scheduler-side KV method was called on a worker-side connector")
-        return self._scheduler
-
-    @property
-    def worker_side(self) -> KVWorkerSide:
-        """The worker side; :class:`RuntimeStateError` on a scheduler-role connector."""
-        if self._worker is None:
-            raise RuntimeStateError("a worker-side KV method was called on a scheduler-side connector")
-        return self._worker
-
     def configure_tensor_parallel(self, tp_size: int, rank: int = 0) -> None:
         """Override the TP size (and a worker's rank) where vLLM's TP group is not set up (simulators)."""
         self._identity = dataclasses.replace(self._identity, tp_size=tp_size)
