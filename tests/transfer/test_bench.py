@@ -12,8 +12,20 @@ from asyncconn.cli.main import main
 
 def test_bench_transfer_json_reports_cpu_figures(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "transfer", "--json", "--loads", "20", "--saves", "64", "--save-batch", "16"]
+    prefix = ["--prefix-values", "6", "--prefix-value-size", "8KiB"]
     code = main(
-        [*argv, "--repeat", "1", "--put-latency", "5ms", "--load-size", "4KiB", "--save-size", "4KiB"]
+        [
+            *argv,
+            "--repeat",
+            "1",
+            "--put-latency",
+            "5ms",
+            "--load-size",
+            "4KiB",
+            "--save-size",
+            "4KiB",
+            *prefix,
+        ]
     )
     assert code == 0
     result = json.loads(capsys.readouterr().out)
@@ -21,6 +33,9 @@ def test_bench_transfer_json_reports_cpu_figures(capsys: pytest.CaptureFixture[s
     assert loader["loads"] == 20 and loader["value_bytes"] == 4096
     for key in ("loader_loads_per_s", "gather_loads_per_s", "submit_p99_us", "poll_us_per_result_p50"):
         assert loader[key] > 0
+    prefix = result["prefix_cpu"]
+    assert prefix["values"] == 6 and prefix["value_bytes"] == 8192
+    assert prefix["grouped_ms"] > 0 and prefix["one_read_per_value_ms"] > 0
     assert saver["copy_thread"] and not result["saver_cpu_sync"]["copy_thread"]  # both modes, one run
     for saver in (result["saver_cpu"], result["saver_cpu_sync"]):
         assert saver["saves"] == 64 and saver["put_latency_ms"] == 5.0
@@ -33,10 +48,15 @@ def test_bench_transfer_json_reports_cpu_figures(capsys: pytest.CaptureFixture[s
 
 def test_bench_transfer_human_output(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "transfer", "--loads", "5", "--saves", "8", "--save-batch", "4", "--repeat", "1"]
+    argv += ["--prefix-values", "4", "--prefix-value-size", "4KiB"]
     assert main([*argv, "--put-latency", "1ms", "--load-size", "1KiB", "--save-size", "1KiB"]) == 0
     out = capsys.readouterr().out
     assert (
-        "loader_cpu:" in out and "saver_cpu:" in out and "saver_cpu_sync:" in out and "submit_p99_us" in out
+        "loader_cpu:" in out
+        and "prefix_cpu:" in out
+        and "saver_cpu:" in out
+        and "saver_cpu_sync:" in out
+        and "submit_p99_us" in out
     )
 
 

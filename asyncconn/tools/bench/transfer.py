@@ -15,6 +15,13 @@ CPU (always):
   snapshot modes, alternating round by round: the copy thread (``saver_cpu``, the CPU default) and the
   synchronous copy inside ``submit`` (``saver_cpu_sync``, the flow CUDA uses).
 
+- *prefix*: a KV prefix load as the KV connector issues it -- ``--prefix-values`` values of
+  ``--prefix-value-size`` (default 128 x 896 KiB: a 4,096-token prefix of ``text-100m``) from a page-cached
+  ``file://`` store in a temporary directory, all submitted at once, each value copied out of its staging
+  buffer as it is handed over (``poll`` with a consumer) -- read in groups of about ``GROUP_BYTES`` per
+  store call (``file://``'s ``batch_reads``) against one read per value on the same store, alternating run
+  by run.
+
 CUDA (only when ``torch.cuda.is_available()``):
 
 - *h2d*: for each of ``--gpu-sizes``, the H2D copy the loader issues (timed with CUDA events on its side
@@ -32,6 +39,7 @@ import asyncio
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loads", type=_args.count, default=2000, help="values per loader run")
     parser.add_argument(
         "--load-size", type=_args.positive_size, default=64 * 1024, help="bytes per loaded value"
+    )
+    parser.add_argument("--prefix-values", type=_args.count, default=128, help="values of the prefix load")
+    parser.add_argument(
+        "--prefix-value-size", type=_args.positive_size, default=896 << 10, help="bytes per prefix value"
     )
     parser.add_argument("--saves", type=_args.count, default=2000, help="submits per save-tracker run")
     parser.add_argument(
@@ -192,6 +204,51 @@ def _bench_loader(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
         "submit_p50_us": _us(_pct(submit_s, 50)),
         "submit_p99_us": _us(_pct(submit_s, 99)),
         "poll_us_per_result_p50": _us(_pct(poll_s, 50)),
+    }
+
+
+def _bench_prefix(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
+    numel = max(args.prefix_value_size // 4, 1)
+    keys = [f"prefix{i}" for i in range(args.prefix_values)]
+    with tempfile.TemporaryDirectory(prefix="asyncconn-bench-") as root:
+        store = _open(runtime, f"file://{root}/store")
+        try:
+            runtime.run(store.put([(k, torch.randn(numel)) for k in keys]), timeout=120.0)
+            pool = PinnedPool(max(args.pool, 2 * len(keys) * numel * 4))
+            loader = StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=pool)  # 64 in flight
+            cache = torch.empty(len(keys), numel)
+            where = {k: i for i, k in enumerate(keys)}
+
+            landed = [0]
+
+            def scatter(result: LoadResult) -> None:
+                if result.tensor is None:
+                    raise RuntimeError(f"benchmark load failed: {result.failure}: {result.detail}")
+                cache[where[result.key]].copy_(result.tensor)
+                landed[0] += 1
+
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for run_no in range(2 * (args.repeat + 1)):
+                grouped = run_no % 2 == 0
+                store.backend.batch_reads = grouped  # type: ignore[misc]  # this instance only
+                landed[0] = 0
+                t0 = time.perf_counter()
+                loader.submit_many((k, NewTensor((numel,), torch.float32)) for k in keys)
+                while landed[0] < len(keys):
+                    loader.wait(1.0, first=True)
+                    loader.poll(scatter)
+                if run_no >= 2:  # the first pair warms the page cache and the pool
+                    times[grouped].append(time.perf_counter() - t0)
+            loader.close()
+        finally:
+            runtime.run(store.close())
+    grouped_s, single_s = statistics.median(times[True]), statistics.median(times[False])
+    return {
+        "values": len(keys),
+        "value_bytes": numel * 4,
+        "grouped_ms": round(grouped_s * 1e3, 1),
+        "one_read_per_value_ms": round(single_s * 1e3, 1),
+        "grouped_vs_one_per_value": round(single_s / grouped_s, 3),
     }
 
 
@@ -446,6 +503,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             },
             "repeat": args.repeat,
             "loader_cpu": _bench_loader(runtime, args),
+            "prefix_cpu": _bench_prefix(runtime, args),
             **_bench_saver(runtime, args),
         }
         out["gpu"] = _bench_gpu(runtime, args) if torch.cuda.is_available() else "not run: no CUDA device"
@@ -456,7 +514,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_human(result: dict[str, Any]) -> None:
-    for section in ("loader_cpu", "saver_cpu", "saver_cpu_sync"):
+    for section in ("loader_cpu", "prefix_cpu", "saver_cpu", "saver_cpu_sync"):
         print(f"{section}:")
         for key, value in result[section].items():
             print(f"  {key:<38} {value}")
