@@ -476,14 +476,10 @@ class StreamLoader:
 
     def _group_done(self, loads: list[_Load], task: asyncio.Task[None]) -> None:
         """A group's task ended without handing its loads back (cancelled, or the store failed): do it."""
-        if task.cancelled():
-            fetched = _Fetched(Failure.STORE_ERROR, "fetch cancelled (loader or runtime closed)")
-        elif (exc := task.exception()) is not None:
-            fetched = _Fetched(*classify(exc))
-        else:
-            return
-        for load in loads:
-            self._hand_back(load, fetched)
+        fetched = _unlanded(task)
+        if fetched is not None:
+            for load in loads:
+                self._hand_back(load, fetched)
 
     async def _fetch_and_land(self, load: _Load, buf: PinnedBuffer) -> None:
         """Fetch, then hand the load back at once: not from the task's done-callback, which the loop runs
@@ -496,13 +492,9 @@ class StreamLoader:
         """A fetch task ended (the loop is done with its buffer): hand back a load that did not land (the
         task was cancelled or raised); one that landed was handed back by the task itself."""
         load.task = None
-        if task.cancelled():
-            fetched = _Fetched(Failure.STORE_ERROR, "fetch cancelled (loader or runtime closed)")
-        elif (exc := task.exception()) is not None:
-            fetched = _Fetched(*classify(exc))
-        else:
-            return
-        self._hand_back(load, fetched)
+        fetched = _unlanded(task)
+        if fetched is not None:
+            self._hand_back(load, fetched)
 
     def _hand_back(self, load: _Load, fetched: _Fetched) -> None:
         load.fetched = fetched
@@ -550,6 +542,15 @@ class StreamLoader:
         if present:
             return _Fetched(Failure.CORRUPT, f"value is not a valid frame {expected}".rstrip())
         return _Fetched(Failure.MISS, "not in the store")
+
+
+def _unlanded(task: asyncio.Task[None]) -> _Fetched | None:
+    """Why a fetch task ended without handing its loads back (cancelled, or raised); None if it did not."""
+    if task.cancelled():
+        return _Fetched(Failure.STORE_ERROR, "fetch cancelled (loader or runtime closed)")
+    if (exc := task.exception()) is not None:
+        return _Fetched(*classify(exc))
+    return None
 
 
 def _cancel_on_loop(load: _Load) -> None:
