@@ -188,6 +188,8 @@ class TensorStore:
         for _, out in items:
             codec.check_tensor(out, "the destination")
         if not (self.batch_reads and all(o.is_contiguous() and o.device.type == "cpu" for _, o in items)):
+            # One after another, not gathered: a read failing would leave the others writing into their
+            # destinations after this call has raised.
             return [await self.read_into(key, out) for key, out in items]
         reads = [_DirectRead(key, out, self.max_payload) for key, out in items]
         lengths = await self._call(self.backend.get_into_many([r.request() for r in reads]), "get")
