@@ -36,6 +36,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "Buffer",
     "IntoRead",
+    "NOT_CACHED",
     "SelfChecked",
     "Sink",
     "sink_verifies",
@@ -61,6 +62,9 @@ Value = Buffer | Sequence[Buffer]
 Sink = Callable[[memoryview], None]
 #: One read of :meth:`StorageBackend.get_into_many`: the key, the buffers to fill in order, and its sink.
 IntoRead = tuple[str, Sequence[memoryview], Sink | None]
+#: What :meth:`StorageBackend.get_into_many` reports, with ``cached_only``, for a value it would have had to
+#: wait for (a disk, the network): nothing was read, or only part of it.
+NOT_CACHED = -1
 
 
 def sink_verifies(sink: Sink | None) -> bool:
@@ -235,17 +239,30 @@ class StorageBackend(abc.ABC):
     #: True when :meth:`get_into_many` beats one :meth:`get_into` per value (one job for the batch).
     batch_reads: ClassVar[bool] = False
 
-    async def get_into_many(self, reads: Sequence[IntoRead]) -> list[int | None]:
+    #: True when :meth:`get_into_many` can serve ``cached_only`` reads (values already in memory).
+    cached_reads: ClassVar[bool] = False
+
+    async def get_into_many(
+        self, reads: Sequence[IntoRead], *, cached_only: bool = False
+    ) -> list[int | None]:
         """:meth:`get_into` for several values at once; results in order.
 
         Why: a load step reads many values (a 4k-token prefix is 128 of them), and the fixed cost of each
         call -- a task, a timeout, a thread hand-off -- was most of a page-cached read's time. A backend that
         can serve a batch in one job overrides this and sets ``batch_reads``; the default is a gather.
 
+        ``cached_only``: read only values that are in memory already (a page cache), so that every read ends
+        within a memory copy; a value that would wait for a disk or the network is :data:`NOT_CACHED` (its
+        buffers may hold part of it). Why: a caller reading straight into memory it must hand back on time (a
+        host KV cache) cannot abandon a read that hangs. A backend that cannot tell (the default) reports
+        every value :data:`NOT_CACHED`; ``cached_reads`` says whether this one can.
+
         A sink must not raise here: one bad value would fail its neighbours' reads. (``TensorStore`` hands
         sinks that record a bad frame and stop checking instead.) An error of the store itself fails the
         whole call.
         """
+        if cached_only:
+            return [NOT_CACHED] * len(reads)
         return list(await asyncio.gather(*(self.get_into(key, dests, sink) for key, dests, sink in reads)))
 
     async def __aenter__(self) -> StorageBackend:

@@ -24,12 +24,12 @@ from typing import TypeVar
 import torch
 
 from asyncconn import codec
-from asyncconn.backend import SelfChecked, StorageBackend, checked_keys, open_backend
-from asyncconn.exceptions import BackendError, BackendTimeout, CodecError, FrameMismatch
+from asyncconn.backend import NOT_CACHED, SelfChecked, StorageBackend, checked_keys, open_backend
+from asyncconn.exceptions import BackendError, BackendTimeout, CodecError, FrameMismatch, InvalidInput
 from asyncconn.runtime import fork_generation, forked_error, keep_inherited
 from asyncconn.url import StoreURL, parse_url, redact
 
-__all__ = ["Fetch", "StoreStats", "TensorStore"]
+__all__ = ["Fetch", "Scattered", "StoreStats", "TensorStore"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +43,34 @@ class Fetch(enum.Enum):
     HIT = "hit"
     MISS = "miss"
     CORRUPT = "corrupt"  # present but not a valid frame for the destination (counted in stats.corrupt)
+    NOT_CACHED = "not_cached"  # a ``cached_only`` read the store would have had to wait for (not counted)
+
+
+@dataclass(frozen=True, slots=True)
+class Scattered:
+    """A destination in pieces: the value (``dtype``, ``shape``) lands in ``views``, one after another.
+
+    Why: a host KV cache keeps a value's blocks apart (a piece per layer); reading straight into them saves
+    the staging buffer and the copy out of it. The pieces are written before the frame is checked: on any
+    outcome but a hit their contents are unspecified.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    views: tuple[memoryview, ...]
+
+    def __post_init__(self) -> None:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        nbytes = sum(v.nbytes for v in self.views)
+        if nbytes != numel * self.dtype.itemsize:
+            raise InvalidInput(
+                f"Scattered: pieces hold {nbytes} bytes, a {self.dtype}{list(self.shape)} value is "
+                f"{numel * self.dtype.itemsize}"
+            )
+        if any(v.readonly for v in self.views):
+            raise InvalidInput("Scattered: a piece is read-only")
 
 
 @dataclass
@@ -178,27 +206,62 @@ class TensorStore:
         """Whether :meth:`read_into_many` reads a batch in one backend call (worth grouping loads for)."""
         return self.backend.batch_reads and self.backend.reads_into
 
-    async def read_into_many(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[Fetch]:
+    async def read_into_many(
+        self, items: Sequence[tuple[str, torch.Tensor | Scattered]], *, cached_only: bool = False
+    ) -> list[Fetch]:
         """:meth:`read_into` for several values in one backend call; outcomes in order.
 
         A bad value is a CORRUPT outcome for that value only; a store error or timeout raises for the whole
         batch (as it would have failed each read). Destinations a backend cannot read into straight are
-        read one by one.
+        read one by one. ``cached_only``: only values the backend holds in memory (:attr:`cached_reads`);
+        the others are NOT_CACHED, with nothing or part of them written (see
+        ``StorageBackend.get_into_many``).
         """
         for _, out in items:
-            codec.check_tensor(out, "the destination")
-        if not (self.batch_reads and all(o.is_contiguous() and o.device.type == "cpu" for _, o in items)):
+            if not isinstance(out, Scattered):
+                codec.check_tensor(out, "the destination")
+        if cached_only and not self.cached_reads:
+            return [Fetch.NOT_CACHED] * len(items)
+        direct = self.backend.reads_into and all(
+            isinstance(o, Scattered) or (o.is_contiguous() and o.device.type == "cpu") for _, o in items
+        )
+        if not direct and any(isinstance(o, Scattered) for _, o in items):
+            raise InvalidInput(f"{self.name}: a Scattered destination needs a backend that reads into memory")
+        if not (direct and (self.batch_reads or cached_only)):
             # One after another, not gathered: a read failing would leave the others writing into their
             # destinations after this call has raised.
-            return [await self.read_into(key, out) for key, out in items]
+            return [await self._read_one(key, out) for key, out in items]
         reads = [_DirectRead(key, out, self.max_payload) for key, out in items]
-        lengths = await self._call(self.backend.get_into_many([r.request() for r in reads]), "get")
-        statuses = [self._settle(read, length) for read, length in zip(reads, lengths, strict=True)]
+        requests = [r.request() for r in reads]
+        # The keyword only when asked for: a backend written before it existed still serves plain batches.
+        call = (
+            self.backend.get_into_many(requests, cached_only=True)
+            if cached_only
+            else self.backend.get_into_many(requests)
+        )
+        lengths = await self._call(call, "get")
+        statuses = [
+            Fetch.NOT_CACHED if length == NOT_CACHED else self._settle(read, length)
+            for read, length in zip(reads, lengths, strict=True)
+        ]
         for status in statuses:
-            self._count(status is Fetch.HIT)
+            if status is not Fetch.NOT_CACHED:
+                self._count(status is Fetch.HIT)
         return statuses
 
-    async def _get_into_direct(self, key: str, out: torch.Tensor) -> Fetch:
+    @property
+    def cached_reads(self) -> bool:
+        """Whether :meth:`read_into_many` can serve ``cached_only`` reads (``file://``: the page cache)."""
+        return self.backend.cached_reads and self.backend.reads_into
+
+    async def _read_one(self, key: str, out: torch.Tensor | Scattered) -> Fetch:
+        if not isinstance(out, Scattered):
+            return await self.read_into(key, out)
+        status = await self._get_into_direct(key, out)
+        self._count(status is Fetch.HIT)
+        return status
+
+    async def _get_into_direct(self, key: str, out: torch.Tensor | Scattered) -> Fetch:
         read = _DirectRead(key, out, self.max_payload)
         try:  # the verifier itself as the sink: a bad frame stops the read at once
             length = await self._call(self.backend.get_into(key, read.dests(), read.verifier), "get")
@@ -214,11 +277,10 @@ class TensorStore:
                 raise read.error
             if length is None:
                 return Fetch.MISS
-            expected = len(read.header) + read.payload.nbytes
+            expected = len(read.header) + read.nbytes
             if length != expected:
-                out = read.out
                 raise FrameMismatch(
-                    f"stored value is {length} bytes; a frame of {out.dtype}{list(out.shape)} is {expected}"
+                    f"stored value is {length} bytes; a frame of {read.dtype}{list(read.shape)} is {expected}"
                 )
             read.verifier.finish()
         except CodecError as exc:
@@ -272,28 +334,35 @@ class TensorStore:
 
 
 class _DirectRead:
-    """One value read straight into a destination tensor: its header buffer, payload view and checker.
+    """One value read straight into a destination (a tensor or pieces): its header buffer, payload views
+    and checker.
 
     Also the read's sink. Fed a bad frame it keeps the error and ignores the rest instead of raising, so a
     backend reading a batch in one job does not fail the other values' reads for it; the store reports the
     error when the read is settled.
     """
 
-    __slots__ = ("error", "header", "key", "out", "payload", "verifier")
+    __slots__ = ("dtype", "error", "header", "key", "nbytes", "payload", "shape", "verifier")
 
     #: Every byte fed is checked against the frame's checksum (``asyncconn.backend.sink_verifies``).
     verifies_value = True
 
-    def __init__(self, key: str, out: torch.Tensor, max_payload: int) -> None:
+    def __init__(self, key: str, out: torch.Tensor | Scattered, max_payload: int) -> None:
         self.key = key
-        self.out = out
-        self.header = bytearray(codec.header_size(out.dim()))
-        self.payload = codec.tensor_bytes(out)
+        if isinstance(out, Scattered):
+            self.dtype, self.shape = out.dtype, out.shape
+            self.payload = list(out.views)
+            out = torch.empty(out.shape, dtype=out.dtype, device="meta")  # what the verifier checks against
+        else:
+            self.dtype, self.shape = out.dtype, tuple(out.shape)
+            self.payload = [codec.tensor_bytes(out)]
+        self.nbytes = sum(v.nbytes for v in self.payload)
+        self.header = bytearray(codec.header_size(len(self.shape)))
         self.verifier = codec.FrameVerifier(out, max_payload=max_payload, key=key)
         self.error: CodecError | None = None
 
     def dests(self) -> list[memoryview]:
-        return [memoryview(self.header), self.payload]
+        return [memoryview(self.header), *self.payload]
 
     def request(self) -> tuple[str, list[memoryview], _DirectRead]:
         """The read as ``get_into_many`` takes it, with this object as its (never raising) sink."""

@@ -41,6 +41,7 @@ from typing import ClassVar, TypeVar
 from urllib.parse import quote
 
 from asyncconn.backend import (
+    NOT_CACHED,
     Buffer,
     IntoRead,
     Sink,
@@ -197,6 +198,7 @@ class FileBackend(StorageBackend):
     }
     reads_into: ClassVar[bool] = True
     batch_reads: ClassVar[bool] = True
+    cached_reads: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -374,8 +376,24 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
 
-    def _read_many(self, reads: Sequence[IntoRead]) -> list[int | None]:
-        return [self._read_into(key, dests, sink) for key, dests, sink in reads]
+    def _read_many(self, reads: Sequence[IntoRead], cached_only: bool = False) -> list[int | None]:
+        if not cached_only:
+            return [self._read_into(key, dests, sink) for key, dests, sink in reads]
+        out: list[int | None] = []
+        for key, dests, sink in reads:
+            if not self.inline_reads:  # told this filesystem cannot say what is cached (or found it cannot)
+                out.append(NOT_CACHED)
+                continue
+            try:
+                out.append(self._read_into(key, dests, sink, nowait=True))
+            except BlockingIOError:
+                out.append(NOT_CACHED)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                self.inline_reads = False
+                out.append(NOT_CACHED)
+        return out
 
     def _read_split(self, fd: int, views: list[memoryview], size: int, flags: int = 0) -> int:
         """Split one large read over threads: the page-cache copy is the cost and preadv drops the GIL.
@@ -538,15 +556,19 @@ class FileBackend(StorageBackend):
                 self.inline_reads = False
         return await self._until_done(self._run(self._read_into, key, dests, sink))
 
-    async def get_into_many(self, reads: Sequence[IntoRead]) -> list[int | None]:
+    async def get_into_many(
+        self, reads: Sequence[IntoRead], *, cached_only: bool = False
+    ) -> list[int | None]:
         """The whole batch in one pool job: its reads and checksums run on a pool thread (``preadv`` and
         xxh3 of large buffers drop the GIL), the loop pays one hand-off, and a caller that sends several
-        batches at once gets them read in parallel by the pool's threads."""
+        batches at once gets them read in parallel by the pool's threads. ``cached_only`` reads with
+        ``preadv(RWF_NOWAIT)``, which copies from the page cache or refuses (``inline_reads=false`` refuses
+        every value)."""
         for key, dests, _ in reads:
             checked_dests(key, dests)
         if not reads:
             return []
-        return await self._until_done(self._run(self._read_many, reads))
+        return await self._until_done(self._run(self._read_many, reads, cached_only))
 
     @staticmethod
     async def _until_done(read: Awaitable[T]) -> T:

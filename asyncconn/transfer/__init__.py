@@ -16,7 +16,7 @@ from asyncconn.transfer._device import (
     default_device,
     engine_devices,
 )
-from asyncconn.transfer.dest import NewTensor
+from asyncconn.transfer.dest import InPlace, NewTensor
 from asyncconn.transfer.failures import Failure
 from asyncconn.transfer.lazy import LazyTensor, Pieces, Shared, Slice
 from asyncconn.transfer.loader import LoadResult, StreamLoader
@@ -31,6 +31,7 @@ __all__ = [
     "Failure",
     "LazyTensor",
     "LoadResult",
+    "InPlace",
     "NewTensor",
     "Pieces",
     "PinnedBuffer",

@@ -19,6 +19,10 @@ A load moves through three states, each owned by one thread (docs/architecture.m
 Failures -- miss, corrupt, timeout, store error, too large, device error -- come back from ``poll()`` as
 :class:`LoadResult` values with a reason; no exception from the store ever reaches the worker thread.
 
+In-place loads (:class:`InPlace`, a host device only) skip states 1's buffer and 3: the store reads the value
+straight into the caller's memory, in groups with ``cached_only`` (nothing that could wait for a disk), and
+the result is reported as soon as the read has ended.
+
 Cancellation (``cancel(key)``) never frees a buffer that something may still write: a queued load is simply
 dropped; a fetching load's task is cancelled *on the loop* (a load in a group is only marked: its group's
 read goes on for the others) and its buffer is returned only when the task's done-callback has reported it,
@@ -44,7 +48,7 @@ import torch
 
 from asyncconn.exceptions import DuplicateTransfer, PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import Runtime, get_runtime
-from asyncconn.store import Fetch, TensorStore
+from asyncconn.store import Fetch, Scattered, TensorStore
 from asyncconn.transfer._device import (
     LOAD_PRIORITY,
     Event,
@@ -52,11 +56,11 @@ from asyncconn.transfer._device import (
     default_device,
     single_thread_torch,
 )
-from asyncconn.transfer.dest import NewTensor
+from asyncconn.transfer.dest import InPlace, NewTensor
 from asyncconn.transfer.failures import Failure, classify
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 
-__all__ = ["GROUP_BYTES", "LoadResult", "StreamLoader"]
+__all__ = ["GROUP_BYTES", "IN_PLACE_GROUP_BYTES", "LoadResult", "StreamLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +68,27 @@ log = logging.getLogger(__name__)
 #: Small enough that the first values land (and the worker copies them out) while later groups are read;
 #: large enough that a call's fixed cost is spread over several values.
 GROUP_BYTES = 4 << 20
+#: The same for :class:`InPlace` loads. Larger: nothing waits to copy a value out of staging, so the first
+#: values landing early gains nothing, and fewer calls mean fewer hand-offs between the loop and the store's
+#: threads, which on a small CPU engine were most of a prefix load's time.
+IN_PLACE_GROUP_BYTES = 16 << 20
 
 _QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
 
 
 @dataclass(slots=True)
 class LoadResult:
-    """One finished load: ``tensor`` is ready on the default stream, or ``failure`` says why there is none."""
+    """One finished load: ``tensor`` is ready on the default stream, or ``failure`` says why there is none.
+
+    An :class:`InPlace` load that succeeded has ``in_place`` set and no tensor: its bytes are in the
+    caller's memory.
+    """
 
     key: str
     tensor: torch.Tensor | None
     failure: Failure | None = None
     detail: str = ""
+    in_place: bool = False
 
     @property
     def ok(self) -> bool:
@@ -106,7 +119,7 @@ class _Load:
         "task",
     )
 
-    def __init__(self, key: str, dest: NewTensor) -> None:
+    def __init__(self, key: str, dest: NewTensor | InPlace) -> None:
         self.key = key
         self.dest = dest
         self.state = _QUEUED
@@ -155,12 +168,13 @@ class StreamLoader:
         self.futures_pending = 0
         # Totals.
         self.loaded = 0
+        self.loaded_in_place = 0  # of ``loaded``: InPlace loads
         self.loaded_bytes = 0
         self.cancelled = 0
         self.failures: collections.Counter[Failure] = collections.Counter()
 
     # -- public API ------------------------------------------------------------------------------------
-    def submit(self, key: str, dest: NewTensor) -> None:
+    def submit(self, key: str, dest: NewTensor | InPlace) -> None:
         """Start loading ``key`` into ``dest``; its result comes back from a later :meth:`poll`.
 
         Raises :class:`DuplicateTransfer` if ``key`` is already loading (cancel it first), and
@@ -168,7 +182,7 @@ class StreamLoader:
         """
         self.submit_many([(key, dest)])
 
-    def submit_many(self, items: Iterable[tuple[str, NewTensor]]) -> None:
+    def submit_many(self, items: Iterable[tuple[str, NewTensor | InPlace]]) -> None:
         """Submit several loads with one hand-off to the loop (one wake-up for a whole step's loads).
 
         All-or-nothing: every item is checked before any is queued.
@@ -180,8 +194,11 @@ class StreamLoader:
         for key, dest in items:
             if key in self._loads or key in keys:
                 raise DuplicateTransfer(f"{key!r} is already being loaded")
-            if not isinstance(dest, NewTensor):
-                raise TransferError(f"dest must be a NewTensor, not {type(dest).__name__}")
+            if isinstance(dest, InPlace):
+                if not self.device.synchronous:
+                    raise TransferError("an InPlace load needs a host device (the memory is the destination)")
+            elif not isinstance(dest, NewTensor):
+                raise TransferError(f"dest must be a NewTensor or InPlace, not {type(dest).__name__}")
             keys.add(key)
             loads.append(_Load(key, dest))
         for load in loads:
@@ -208,7 +225,9 @@ class StreamLoader:
         lend = consume is not None and self.device.synchronous
         while self._fetched:
             load = self._fetched.popleft()
-            if lend:
+            if isinstance(load.dest, InPlace):
+                self._landed_in_place(load, results)
+            elif lend:
                 assert consume is not None
                 self._lend(load, results, consume)
             else:
@@ -245,10 +264,15 @@ class StreamLoader:
         return bool(self._fetched)
 
     def cancel(self, key: str) -> bool:
-        """Abandon a load (an aborted request): nothing is reported for it. False if it was not in flight."""
-        load = self._loads.pop(key, None)
-        if load is None:
+        """Abandon a load (an aborted request): nothing is reported for it. False if it was not in flight.
+
+        Also False for an :class:`InPlace` load already being read: the read writes the caller's memory
+        until it ends, and the caller learns that it has ended from its result, which comes as usual.
+        """
+        load = self._loads.get(key)
+        if load is None or (isinstance(load.dest, InPlace) and load.state != _QUEUED):
             return False
+        del self._loads[key]
         load.cancelled = True
         self.cancelled += 1
         if load.state == _QUEUED:
@@ -276,7 +300,12 @@ class StreamLoader:
         }
 
     def stats(self) -> dict[str, int]:
-        out = {"loaded": self.loaded, "loaded_bytes": self.loaded_bytes, "cancelled": self.cancelled}
+        out = {
+            "loaded": self.loaded,
+            "loaded_in_place": self.loaded_in_place,
+            "loaded_bytes": self.loaded_bytes,
+            "cancelled": self.cancelled,
+        }
         out.update({f"failed_{reason.value}": n for reason, n in self.failures.items()})
         return out
 
@@ -302,8 +331,19 @@ class StreamLoader:
     # -- worker side -----------------------------------------------------------------------------------
     def _start_queued(self) -> None:
         started: list[_Load] = []
-        while self._queued and self.futures_pending < self.max_inflight:
+        while self._queued:
             load = self._queued[0]
+            if isinstance(load.dest, InPlace):
+                # The caller's memory: no staging buffer taken, and not bounded by ``max_inflight`` (which
+                # bounds the staging in use): each read is a memory copy (``cached_only``), and holding part
+                # of a prefix back for a later poll only stretched the load.
+                self._queued.popleft()
+                self.futures_pending += 1
+                load.state = _FETCHING
+                started.append(load)
+                continue
+            if self.futures_pending >= self.max_inflight:
+                break
             try:
                 buf = self.pool.acquire(load.dest.staging_nbytes)
             except PoolTooSmall as exc:
@@ -357,6 +397,23 @@ class StreamLoader:
             self._finish_copy(load, results)  # synchronous device: no need to wait for the next poll
         else:
             self._copying.append(load)
+
+    def _landed_in_place(self, load: _Load, results: list[LoadResult]) -> None:
+        fetched, load.fetched = load.fetched, None
+        assert fetched is not None and isinstance(load.dest, InPlace)
+        self.futures_pending -= 1
+        if load.cancelled:
+            load.state = _DONE
+            return
+        if fetched.failure is not None:
+            self._fail(load, fetched.failure, fetched.detail, results)
+            return
+        load.state = _DONE
+        self._forget(load)
+        self.loaded += 1
+        self.loaded_in_place += 1
+        self.loaded_bytes += load.dest.nbytes
+        results.append(LoadResult(load.key, None, in_place=True))
 
     def _lend(self, load: _Load, results: list[LoadResult], consume: Callable[[LoadResult], object]) -> None:
         """A fetched load on a host device: ``consume`` reads the staging buffer itself, then it goes back."""
@@ -424,9 +481,18 @@ class StreamLoader:
         tasks: list[asyncio.Task[None]] = []
         group: list[_Load] = []
         group_bytes = 0
+        in_place: list[_Load] = []
+        in_place_bytes = 0
         for load in loads:
             if load.cancel_requested:  # cancelled before the loop got here: nothing was written
                 self._hand_back(load, _Fetched(Failure.STORE_ERROR, "cancelled"))
+                continue
+            if isinstance(load.dest, InPlace):  # its own groups: their calls are cached_only
+                in_place.append(load)
+                in_place_bytes += load.dest.nbytes
+                if in_place_bytes >= IN_PLACE_GROUP_BYTES:
+                    tasks.append(self._start_group(in_place))
+                    in_place, in_place_bytes = [], 0
                 continue
             assert load.buf is not None
             if self.store.batch_reads and load.dest.shape is not None and load.dest.dtype is not None:
@@ -440,8 +506,9 @@ class StreamLoader:
             load.task = task
             task.add_done_callback(functools.partial(self._fetch_done, load))
             tasks.append(task)
-        if group:
-            tasks.append(self._start_group(group))
+        for rest in (group, in_place):
+            if rest:
+                tasks.append(self._start_group(rest))
         if not tasks:
             return
         try:
@@ -462,11 +529,16 @@ class StreamLoader:
         return task
 
     async def _fetch_group(self, loads: list[_Load]) -> None:
-        items = []
+        items: list[tuple[str, torch.Tensor | Scattered]] = []
         for load in loads:
-            assert load.buf is not None and load.dest.dtype is not None and load.dest.shape is not None
-            items.append((load.key, load.buf.view(load.dest.dtype, load.dest.shape)))
-        statuses = await self.store.read_into_many(items)
+            dest = load.dest
+            if isinstance(dest, InPlace):
+                items.append((load.key, Scattered(dest.dtype, dest.shape, dest.views)))
+                continue
+            assert load.buf is not None and dest.dtype is not None and dest.shape is not None
+            items.append((load.key, load.buf.view(dest.dtype, dest.shape)))
+        cached_only = isinstance(loads[0].dest, InPlace)  # a group is all in place or all staged
+        statuses = await self.store.read_into_many(items, cached_only=cached_only)
         fetched = [
             self._outcome(status, load.dest.dtype, load.dest.shape)
             for status, load in zip(statuses, loads, strict=True)
@@ -521,6 +593,8 @@ class StreamLoader:
             return _Fetched(
                 Failure.CORRUPT, f"value is not a valid frame, expected {dtype}{list(shape or ())}"
             )
+        if status is Fetch.NOT_CACHED:
+            return _Fetched(Failure.NOT_CACHED, "not in the store's memory (a cached_only read)")
         return _Fetched(Failure.MISS, "not in the store")
 
     async def _fetch_any(self, key: str, buf: PinnedBuffer) -> _Fetched:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from asyncconn import codec
-from asyncconn.backend import StorageBackend, open_backend
+from asyncconn.backend import NOT_CACHED, StorageBackend, open_backend
 from asyncconn.exceptions import BackendError, InvalidInput
-from asyncconn.store import Fetch, TensorStore
+from asyncconn.store import Fetch, Scattered, TensorStore
 from tests.servers import RedisServer
 from tests.servers_distributed import MooncakeMaster, RedisCluster, mooncake_contract_url
 
@@ -172,6 +172,56 @@ async def test_read_into_many_tells_each_value_apart(backend: StorageBackend) ->
         assert torch.equal(outs[key], value), key
     assert store.stats.hits == 5 and store.stats.misses == 3 and store.stats.corrupt == 2
     assert await store.read_into_many([]) == []
+
+
+async def test_cached_only_reads_serve_memory_or_say_not_cached(backend: StorageBackend) -> None:
+    """``cached_only``: a backend that can tell (``cached_reads``: file://, its page cache) serves a value it
+    just wrote; one that cannot reports NOT_CACHED for every value and writes nothing. A miss is a miss."""
+    value = _val(1 << 20, 5)
+    await backend.put([("c0", value)])
+    buf = bytearray(len(value))
+    got = await backend.get_into_many(
+        [("c0", [memoryview(buf)], None), ("absent", [memoryview(bytearray(8))], None)], cached_only=True
+    )
+    if type(backend).cached_reads:
+        assert got == [len(value), None] and bytes(buf) == value
+    else:
+        assert got == [NOT_CACHED, NOT_CACHED] and bytes(buf) == b"\0" * len(value)
+
+
+async def test_read_into_many_scattered_lands_in_pieces(backend: StorageBackend) -> None:
+    """A Scattered destination receives the value's bytes across its pieces in order; a bad or short value is
+    CORRUPT, a missing one a MISS (reads one by one where the backend does not batch)."""
+    store = TensorStore(backend, timeout=10)
+    value = torch.randn(4, 2, 1024)
+    await store.put([("s0", value), ("s1", torch.randn(4, 2, 512))])
+    await backend.put([("bad", b"ACNF" + b"\x02" * 60)])
+    rows = [torch.empty(2, 1024) for _ in range(4)]
+    if not type(backend).reads_into:  # memory:// hands out its own buffers: nothing to read pieces into
+        with pytest.raises(InvalidInput):
+            await store.read_into_many([("s0", _pieces(rows, value))])
+        assert await store.read_into_many([("s0", _pieces(rows, value))], cached_only=True) == [
+            Fetch.NOT_CACHED
+        ]
+        return
+    got = await store.read_into_many(
+        [
+            ("s0", _pieces(rows, value)),
+            ("s1", _pieces([torch.empty(2, 1024) for _ in range(4)], value)),
+            ("bad", _pieces([torch.empty(2, 1024) for _ in range(4)], value)),
+            ("none", _pieces([torch.empty(2, 1024) for _ in range(4)], value)),
+        ]
+    )
+    assert got == [Fetch.HIT, Fetch.CORRUPT, Fetch.CORRUPT, Fetch.MISS]
+    assert torch.equal(torch.stack(rows), value)
+    cached = await store.read_into_many([("s0", _pieces(rows, value))], cached_only=True)
+    assert cached == [Fetch.HIT if store.cached_reads else Fetch.NOT_CACHED]
+    with pytest.raises(InvalidInput):
+        Scattered(torch.float32, (4, 2, 1024), (codec.tensor_bytes(rows[0]),))  # too few bytes
+
+
+def _pieces(rows: list[torch.Tensor], like: torch.Tensor) -> Scattered:
+    return Scattered(like.dtype, tuple(like.shape), tuple(codec.tensor_bytes(r) for r in rows))
 
 
 async def test_many_keys_in_one_batch(backend: StorageBackend) -> None:

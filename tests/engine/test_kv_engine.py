@@ -69,3 +69,11 @@ def test_a_fresh_engine_loads_the_shared_prefixes_byte_for_byte(
     assert metrics["vllm:external_prefix_cache_hits"] >= FULL_BLOCKS * BLOCK_SIZE
     for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)
+    # file:// on a CPU engine reads values straight into their cache blocks when the page cache holds them
+    # (a value it would have to wait for goes through staging); the other stores always go through staging.
+    loader = probe.kv_worker_connector().worker_side.loader
+    assert loader.loaded > 0
+    if "file://" in store_config["backend_url"]:
+        assert loader.loaded_in_place > 0
+    else:
+        assert loader.loaded_in_place == 0

@@ -9,6 +9,7 @@ and nothing is reported for it; every count comes back to zero.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +17,10 @@ import pytest
 import torch
 
 from asyncconn import codec
+from asyncconn.exceptions import ConfigError, TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import CpuDevice, Failure, NewTensor, PinnedPool, StreamLoader
+from asyncconn.transfer import CpuDevice, Failure, InPlace, NewTensor, PinnedPool, StreamLoader
 from asyncconn.transfer import loader as loader_module
 from tests.transfer.fakes import GatedBatchBackend
 from tests.transfer.helpers import drain_loads, wait_until
@@ -162,3 +164,116 @@ def test_file_store_loads_a_prefix_in_groups_and_a_bad_value_fails_alone(
             assert got is not None and torch.equal(got, expected), key
     assert file_store.stats.corrupt == 1 and file_store.stats.hits == 38
     assert_idle(loader)
+
+
+# -- InPlace: straight into the caller's host memory ------------------------------------------------------
+def _in_place(rows: list[torch.Tensor], shape: tuple[int, ...]) -> InPlace:
+    return InPlace(torch.float32, shape, tuple(codec.tensor_bytes(r) for r in rows))
+
+
+def test_in_place_loads_land_in_the_callers_memory_and_a_bad_value_fails_alone(
+    runtime: Runtime, file_store: TensorStore
+) -> None:
+    """Each value's bytes land across its pieces (no staging buffer taken); a corrupt value is CORRUPT and a
+    missing one a MISS; the pieces of the others hold exactly the stored values."""
+    shape = (14, 2, 1024)
+    values = {f"p{i}": torch.randn(shape) for i in range(12)}
+    runtime.run(file_store.put(values.items()))
+    backend = file_store.backend
+    bad = backend.path_for("p5")  # type: ignore[attr-defined]
+    with open(bad, "r+b") as f:
+        f.seek(os.path.getsize(bad) - 10)
+        f.write(b"\xff\xfe")
+    os.unlink(backend.path_for("p9"))  # type: ignore[attr-defined]
+    loader = make_loader(file_store, runtime)
+    rows = {k: [torch.empty(2, 1024) for _ in range(14)] for k in values}
+    loader.submit_many((k, _in_place(rows[k], shape)) for k in values)
+    assert loader.counters()["buffers_out"] == 0  # nothing staged
+    results = drain_loads(loader, len(values))
+    assert results["p5"].failure is Failure.CORRUPT and results["p9"].failure is Failure.MISS
+    for key, expected in values.items():
+        if key in ("p5", "p9"):
+            continue
+        assert results[key].ok and results[key].in_place and results[key].tensor is None, key
+        assert torch.equal(torch.stack(rows[key]), expected), key
+    assert_idle(loader)
+
+
+def test_an_in_place_load_the_store_cannot_serve_from_memory_is_not_cached(
+    runtime: Runtime, batch: GatedBatchBackend
+) -> None:
+    """A store without ``cached_reads`` serves no in-place read: NOT_CACHED, for the caller to load another
+    way, and nothing written."""
+    runtime.call_soon(batch.gate.set)
+    loader = make_loader(TensorStore(batch, name="batch"), runtime)
+    rows = [torch.zeros(SHAPE)]
+    loader.submit("k1", _in_place(rows, SHAPE))
+    result = drain_loads(loader, 1)["k1"]
+    assert result.failure is Failure.NOT_CACHED and not result.in_place
+    assert torch.equal(rows[0], torch.zeros(SHAPE))
+    assert_idle(loader)
+
+
+def test_an_in_place_load_being_read_cannot_be_cancelled(
+    runtime: Runtime, file_store: TensorStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its read may still write the caller's memory: cancel refuses, and the result comes as usual, which is
+    how the caller learns that nothing writes any more. One still queued (behind a staged load waiting for
+    ``max_inflight``; in-place loads themselves are not held back by it) is dropped: nothing was written."""
+    runtime.run(file_store.put([("a", value(1)), ("s", value(2)), ("b", value(3))]))
+    started = threading.Event()
+    release = threading.Event()
+    real = type(file_store.backend)._read_many
+
+    def slow(self: object, reads: object, cached_only: bool = False) -> object:
+        started.set()
+        assert release.wait(10)
+        return real(self, reads, cached_only)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(file_store.backend), "_read_many", slow)
+    loader = StreamLoader(
+        file_store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(1 << 20), max_inflight=1
+    )
+    rows = {k: [torch.zeros(SHAPE)] for k in "ab"}
+    loader.submit_many(
+        [
+            ("a", _in_place(rows["a"], SHAPE)),
+            ("s", NewTensor(SHAPE, torch.float32)),
+            ("b", _in_place(rows["b"], SHAPE)),
+        ]
+    )
+    assert started.wait(5)
+    assert loader.counters()["queued"] == 2  # "s" waits for max_inflight, "b" behind it
+    assert not loader.cancel("a")  # being read
+    assert loader.cancel("b")  # still queued: dropped
+    release.set()
+    results = drain_loads(loader, 2)
+    assert results["a"].in_place and torch.equal(rows["a"][0], value(1))
+    assert results["s"].tensor is not None and torch.equal(results["s"].tensor, value(2))
+    assert torch.equal(rows["b"][0], torch.zeros(SHAPE))
+    assert_idle(loader)
+
+
+def test_in_place_loads_are_not_held_back_by_max_inflight(runtime: Runtime, file_store: TensorStore) -> None:
+    runtime.run(file_store.put([(f"i{n}", value(n)) for n in range(6)]))
+    loader = StreamLoader(
+        file_store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(1 << 20), max_inflight=2
+    )
+    rows = {n: [torch.zeros(SHAPE)] for n in range(6)}
+    loader.submit_many((f"i{n}", _in_place(rows[n], SHAPE)) for n in range(6))
+    assert loader.counters()["queued"] == 0
+    results = drain_loads(loader, 6)
+    assert all(r.in_place for r in results.values())
+    assert all(torch.equal(rows[n][0], value(n)) for n in range(6))
+    assert_idle(loader)
+
+
+def test_in_place_needs_a_host_device(runtime: Runtime, file_store: TensorStore) -> None:
+    class NotHost(CpuDevice):
+        synchronous = False
+
+    loader = StreamLoader(file_store, runtime=runtime, device=NotHost(), pool=PinnedPool(1 << 20))
+    with pytest.raises(TransferError, match="host device"):
+        loader.submit("a", _in_place([torch.zeros(SHAPE)], SHAPE))
+    with pytest.raises(ConfigError):
+        InPlace(torch.float32, (2, 256), (codec.tensor_bytes(torch.zeros(SHAPE)),))

@@ -94,6 +94,8 @@ COUNTERS = (
     "lookup_tokens_hit",
     "loads",
     "load_failures",
+    "loads_in_place",
+    "loads_not_in_memory",
     "tokens_loaded",
     "bytes_loaded",
     "saves",

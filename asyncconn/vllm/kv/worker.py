@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncconn import codec
 from asyncconn.exceptions import AsyncConnError, ConfigError, RuntimeClosed
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import CpuDevice, Failure, LoadResult, NewTensor, SaveTracker, StreamLoader
+from asyncconn.transfer import CpuDevice, Failure, InPlace, LoadResult, NewTensor, SaveTracker, StreamLoader
 from asyncconn.transfer.lazy import Pieces, Shared
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, SaveSpec, ValueRef
@@ -95,9 +96,18 @@ class LayerLayout:
 
 @dataclass
 class _Fetch:
-    """One value being loaded, and every (request, value ref) waiting for it."""
+    """One value being loaded, and every (request, value ref) waiting for it.
+
+    An in-place fetch reads straight into the blocks of ``owner`` (``owner_ref``). Those blocks may be
+    written until its result comes, so the owner's load keeps the key in ``remaining`` until then, even
+    when the owner is dropped (``owner_dropped``): vLLM frees or recomputes a request's blocks only after
+    it is reported.
+    """
 
     targets: list[tuple[str, ValueRef]] = field(default_factory=list)
+    owner: str | None = None
+    owner_ref: ValueRef | None = None
+    owner_dropped: bool = False
 
 
 @dataclass
@@ -106,6 +116,8 @@ class _ReqLoad:
     deadline: float
     remaining: set[str] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)
+    aborted: bool = False  # finished while loading: reported without load errors once nothing writes
+    timed_out: bool = False
 
 
 class KVWorkerSide:
@@ -146,6 +158,8 @@ class KVWorkerSide:
         self._layer_caches: list[tuple[torch.Tensor, int]] = []  # (cache, KV cache group) per layer, in order
         self._whole: tuple[int, ...] = ()  # every block position of a value
         self.layout: LayerLayout | None = None
+        # Flat byte views of the layers' caches when loads can land in them directly (see _in_place_dest).
+        self._cache_bytes: list[memoryview] | None = None
         self._fetches: dict[str, _Fetch] = {}  # store key -> waiting targets
         self._req_loads: dict[str, _ReqLoad] = {}  # request id -> its load, until reported
         self._load_errors: set[int] = set()
@@ -164,6 +178,13 @@ class KVWorkerSide:
         self.caches = {name: kv_caches[name] for name in self.layers}
         self._layer_caches = [(self.caches[n], self.group_of_layer[n]) for n in self.layers]
         self._whole = tuple(range(self.keys.blocks_per_value))
+        self._cache_bytes = None
+        if (
+            self.loader.device.synchronous
+            and self.store.cached_reads
+            and all(c.device.type == "cpu" and c.is_contiguous() for c, _ in self._layer_caches)
+        ):
+            self._cache_bytes = [codec.tensor_bytes(c) for c, _ in self._layer_caches]
 
     def set_rank(self, rank: int) -> None:
         """This worker's TP rank (vLLM's TP group when initialized; simulators set it here)."""
@@ -182,7 +203,7 @@ class KVWorkerSide:
             assert self.layout is not None, "register_kv_caches was not called"
             dest = NewTensor(self._value_shape(), self.layout.dtype)
             now = time.monotonic()
-            submit: list[tuple[str, NewTensor]] = []
+            submit: list[tuple[str, NewTensor | InPlace]] = []
             for spec in meta.loads:
                 load = self._req_loads.setdefault(spec.request_id, _ReqLoad(now, now + self.load_timeout))
                 for ref in spec.values:
@@ -190,12 +211,44 @@ class KVWorkerSide:
                     fetch = self._fetches.get(key)
                     if fetch is None:
                         fetch = self._fetches[key] = _Fetch()
-                        submit.append((key, dest))
+                        in_place = self._in_place_dest(ref)
+                        if in_place is not None:
+                            fetch.owner, fetch.owner_ref = spec.request_id, ref
+                        submit.append((key, in_place or dest))
                     fetch.targets.append((spec.request_id, ref))
                     load.remaining.add(key)
             if submit:
                 self.loader.submit_many(submit)
         self._poll_loads()
+
+    def _in_place_dest(self, ref: ValueRef) -> InPlace | None:
+        """The value's blocks in the cache as its destination, when it can land there directly: a host
+        cache (CPU engine), a store that serves reads from memory (``file://``'s page cache), and the whole
+        value wanted. Its bytes, layer by layer, are the blocks ``ref.block_ids`` of each layer in order (a
+        run of consecutive ids is one piece), so no staging buffer and no copy out of one."""
+        if self._cache_bytes is None or ref.positions != self._whole:
+            return None
+        assert self.layout is not None
+        dim = self.layout.block_dim
+        shape = self.layout.layer_shape
+        outer = 1
+        for d in shape[:dim]:
+            outer *= d
+        per_block = self._cache_bytes[0].nbytes // (outer * shape[dim])
+        views: list[memoryview] = []
+        for (_, group), flat in zip(self._layer_caches, self._cache_bytes, strict=True):
+            ids = ref.block_ids[group]
+            for o in range(outer):
+                base = o * shape[dim]
+                i = 0
+                while i < len(ids):
+                    j = i + 1
+                    while j < len(ids) and ids[j] == ids[j - 1] + 1:
+                        j += 1
+                    start = (base + ids[i]) * per_block
+                    views.append(flat[start : start + (j - i) * per_block])
+                    i = j
+        return InPlace(self.layout.dtype, self._value_shape(), tuple(views))
 
     def poll(self) -> None:
         """Collect landed and cancelled loads (vLLM's calls do this every step; an idle engine makes none,
@@ -209,7 +262,8 @@ class KVWorkerSide:
         if self._req_loads:
             now = time.monotonic()
             for rid, load in self._req_loads.items():
-                if load.remaining and now > load.deadline:
+                if load.remaining and not load.timed_out and now > load.deadline:
+                    load.timed_out = True
                     log.warning(
                         "KV load of request %s not done after %.1fs: recomputing", rid, self.load_timeout
                     )
@@ -221,10 +275,24 @@ class KVWorkerSide:
         fetch = self._fetches.pop(result.key, None)
         if fetch is None:
             return
+        if fetch.owner_dropped:  # its read has ended: nothing writes the dropped owner's blocks any more
+            owner = self._req_loads.get(fetch.owner or "")
+            if owner is not None:
+                owner.remaining.discard(result.key)
+        if result.failure is Failure.NOT_CACHED:  # the store would have had to wait: read it via staging
+            self._stats.add("loads_not_in_memory")
+            if fetch.targets:
+                assert self.layout is not None
+                self._fetches[result.key] = _Fetch(fetch.targets)
+                self.loader.submit(result.key, NewTensor(self._value_shape(), self.layout.dtype))
+            return
         value = result.tensor
-        if result.ok and value is not None:
+        ok = result.ok and (value is not None or result.in_place)
+        if ok:
             self._stats.add("loads")
-            self._stats.add("bytes_loaded", value.numel() * value.element_size())
+            self._stats.add("bytes_loaded", self._value_nbytes())
+            if result.in_place:
+                self._stats.add("loads_in_place")
         else:
             self._stats.add("load_failures")
             log.debug("KV value %s not loaded (%s): %s", result.key, result.failure, result.detail)
@@ -236,11 +304,25 @@ class KVWorkerSide:
             if load is None:
                 continue
             load.remaining.discard(result.key)
-            if value is None or not result.ok:
+            if not ok:
                 load.failed_blocks.update(b for g in ref.block_ids for b in g)
                 continue
-            self._scatter(value, ref)
+            if value is None:  # landed in the owner's blocks; another request copies them from there
+                if ref is not fetch.owner_ref:
+                    assert fetch.owner_ref is not None and self.layout is not None
+                    owner_ids = [list(g) for g in fetch.owner_ref.block_ids]
+                    value = _gather_layers(self._layer_caches, owner_ids, self.layout.block_dim)
+                    self._scatter(value, ref)
+            else:
+                self._scatter(value, ref)
             self._stats.add("tokens_loaded", len(ref.positions) * block_size)
+
+    def _value_nbytes(self) -> int:
+        assert self.layout is not None
+        numel = 1
+        for d in self._value_shape():
+            numel *= d
+        return numel * self.layout.dtype.itemsize
 
     def _delete(self, key: str) -> None:
         """Remove a corrupt value, so the request that recomputes it can save a good one (a save skips
@@ -277,12 +359,16 @@ class KVWorkerSide:
                 cache.index_copy_(dim, where, src)
 
     def _drop_target(self, rid: str, key: str, failed: set[int] | None) -> None:
-        """Detach a request from a fetch (cancelling the fetch when nobody else waits for it)."""
+        """Detach a request from a fetch (cancelling the fetch when nobody else waits for it).
+
+        A request whose blocks an in-place read may be writing keeps the key in ``remaining`` until the read
+        has ended (:meth:`_on_loaded`); such reads come from memory, so that is a memory copy away.
+        """
         fetch = self._fetches.get(key)
         load = self._req_loads.get(rid)
-        if load is not None:
-            load.remaining.discard(key)
         if fetch is None:
+            if load is not None:
+                load.remaining.discard(key)
             return
         kept = []
         for target in fetch.targets:
@@ -292,7 +378,20 @@ class KVWorkerSide:
             else:
                 kept.append(target)
         fetch.targets = kept
-        if not kept:
+        if fetch.owner == rid:
+            if fetch.owner_dropped:  # dropped before: still waiting for its read to end
+                return
+            if not kept and self.loader.cancel(key):  # not started: nothing was written
+                del self._fetches[key]
+                if load is not None:
+                    load.remaining.discard(key)
+                return
+            else:
+                fetch.owner_dropped = True
+                return
+        if load is not None:
+            load.remaining.discard(key)
+        if not kept and not fetch.owner_dropped:
             del self._fetches[key]
             self.loader.cancel(key)
 
@@ -427,7 +526,6 @@ class KVWorkerSide:
         has nothing else to do, and its back-to-back empty steps would otherwise hold the GIL the loop thread
         needs to finish the loads.
         """
-        aborted: set[str] = set()
         for rid in finished_req_ids:
             load = self._req_loads.get(rid)
             if rid in finished_via_recv:
@@ -435,7 +533,7 @@ class KVWorkerSide:
                 if load is not None:  # stop writing its blocks; report it below, without load errors
                     for key in list(load.remaining):
                         self._drop_target(rid, key, failed=None)
-                    aborted.add(rid)
+                    load.aborted = True
                 continue
             if load is not None:  # every worker reported it already (the scheduler says so): nothing to do
                 for key in list(load.remaining):
@@ -458,7 +556,7 @@ class KVWorkerSide:
             if not load.remaining:
                 del self._req_loads[rid]
                 recving.add(rid)
-                if rid not in aborted:
+                if not load.aborted:
                     self._load_errors |= load.failed_blocks
                     self._stats.observe("load_latency", time.monotonic() - load.t0)
         for rid in self.saver.poll_finished():

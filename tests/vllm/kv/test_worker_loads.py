@@ -4,9 +4,11 @@ land only their positions, and landings are scattered while the others are still
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,13 +40,14 @@ def runtime() -> Iterator[Runtime]:
 
 
 def _worker(
-    runtime: Runtime, blocks_per_value: int
+    runtime: Runtime, blocks_per_value: int, url: str | None = None
 ) -> tuple[KVWorkerSide, KeySpace, dict[str, torch.Tensor]]:
     identity = KVIdentity(
         "worker-loads", "", "float32", "default", 16, 2, 8, tuple(LAYERS), 1, blocks_per_value
     )
     keys = KeySpace(identity)
-    store = runtime.run(TensorStore.open(f"memory://kv-loads-{uuid.uuid4().hex[:8]}"), timeout=10)
+    url = url or f"memory://kv-loads-{uuid.uuid4().hex[:8]}"
+    store = runtime.run(TensorStore.open(url), timeout=10)
     pool = PinnedPool(8 << 20)
     worker = KVWorkerSide(
         keys,
@@ -61,14 +64,16 @@ def _worker(
     return worker, keys, caches
 
 
-def _receive(worker: KVWorkerSide, rid: str) -> None:
+def _receive(worker: KVWorkerSide, *rids: str) -> None:
+    wanted = set(rids)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         _, got = worker.get_finished(set(), step_tokens=0)
-        if got and rid in got:
+        wanted -= got or set()
+        if not wanted:
             return
         time.sleep(0.001)
-    raise AssertionError(f"{rid} was not reported received")
+    raise AssertionError(f"{sorted(wanted)} not reported received")
 
 
 @pytest.mark.parametrize("ascending", [True, False])
@@ -119,5 +124,93 @@ def test_loaded_values_land_bytes_exact_from_staging(
     # an index tensor only for its positions and for runs of block ids that are not consecutive
     assert gathers == (len(LAYERS) if bpv > 1 else 0)
     assert index_tensors == (0 if bpv == 1 else 1 if ascending else 3)
+    worker.shutdown()
+    assert not any(worker.counters().values()), worker.counters()
+
+
+# -- in place: a host cache and a store that serves reads from memory (file://'s page cache) -----------------
+@pytest.mark.parametrize("ascending", [True, False])
+@pytest.mark.parametrize("bpv", [1, 2])
+def test_in_place_loads_land_bytes_exact_in_the_cache(
+    runtime: Runtime, bpv: int, ascending: bool, tmp_path: Path
+) -> None:
+    """Whole values are read straight into their blocks (no staging, no scatter: the device refuses new
+    tensors and ``_scatter`` must not run for them); a second request wanting the same value gets the owner's
+    blocks copied; a partial value goes through staging; a corrupt one is a load error of its blocks."""
+    worker, keys, caches = _worker(runtime, bpv, f"file://{tmp_path}/store")
+    assert worker._cache_bytes is not None
+    values = [torch.randn(len(LAYERS), bpv, 2, 16, 8) for _ in range(4)]
+    hashes = [bytes([v + 1]) * 32 for v in range(4)]
+    runtime.run(
+        worker.store.put([(keys.store_key(h, 0), val) for h, val in zip(hashes, values, strict=True)])
+    )
+    bad = worker.store.backend.path_for(keys.store_key(hashes[3], 0))  # type: ignore[attr-defined]
+    with open(bad, "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\xff" * 8)
+    whole = tuple(range(bpv))
+
+    def block(v: int, j: int) -> int:
+        return 10 + v * bpv + j if ascending else 24 - v * bpv - j
+
+    refs = [ValueRef(hashes[v], whole, (tuple(block(v, j) for j in whole),)) for v in (0, 1, 3)]
+    other = ValueRef(hashes[0], whole, (tuple(2 + j for j in whole),))  # another request, same value
+    partial = [ValueRef(hashes[2], (bpv - 1,), ((6,),))] if bpv > 1 else []
+    scattered: list[ValueRef] = []
+    real_scatter = worker._scatter
+    worker._scatter = lambda value, ref: (scattered.append(ref), real_scatter(value, ref))[1]  # type: ignore[method-assign]
+    worker.start_load_kv(
+        AsyncConnKVMetadata(loads=[LoadSpec("r", tuple(refs + partial)), LoadSpec("s", (other,))])
+    )
+    _receive(worker, "r", "s")
+    assert worker.get_block_ids_with_load_errors() == {block(3, j) for j in whole}
+    for i, name in enumerate(LAYERS):
+        for v in (0, 1):
+            for j in whole:
+                assert torch.equal(caches[name][block(v, j)], values[v][i, j]), (name, v, j)
+        for j in whole:
+            assert torch.equal(caches[name][2 + j], values[0][i, j]), (name, "other", j)
+        if bpv > 1:
+            assert torch.equal(caches[name][6], values[2][i, bpv - 1])
+    assert sorted(map(id, scattered)) == sorted(map(id, [other, *partial]))  # only these were copied
+    stats = worker._stats.data
+    assert stats["loads_in_place"] == 2 and stats["load_failures"] == 1
+    deadline = time.monotonic() + 10
+    while worker.counters()["deletes"] and time.monotonic() < deadline:  # the corrupt value's removal
+        time.sleep(0.001)
+    assert not worker.store.backend.path_for(keys.store_key(hashes[3], 0)).exists()  # type: ignore[attr-defined]
+    worker.shutdown()
+    assert not any(worker.counters().values()), worker.counters()
+
+
+def test_a_request_finished_while_its_in_place_read_runs_is_reported_after_the_read(
+    runtime: Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM frees a request finished while loading once it is in ``finished_recving``; an in-place read may
+    be writing its blocks until it ends, so the report waits for it (without load errors), however often the
+    request is said to be finished meanwhile."""
+    worker, keys, _ = _worker(runtime, 1, f"file://{tmp_path}/store")
+    value = torch.randn(len(LAYERS), 1, 2, 16, 8)
+    runtime.run(worker.store.put([(keys.store_key(b"\x01" * 32, 0), value)]))
+    backend_type = type(worker.store.backend)
+    real = backend_type._read_many  # type: ignore[attr-defined]
+    started, release = threading.Event(), threading.Event()
+
+    def gated(self: object, reads: object, cached_only: bool = False) -> object:
+        started.set()
+        assert release.wait(10)
+        return real(self, reads, cached_only)
+
+    monkeypatch.setattr(backend_type, "_read_many", gated)
+    ref = ValueRef(b"\x01" * 32, (0,), ((5,),))
+    worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("r", (ref,))]))
+    assert started.wait(5)
+    for _ in range(5):
+        _, recving = worker.get_finished({"r"}, finished_via_recv=frozenset({"r"}), step_tokens=0)
+        assert not recving  # its blocks may still be written
+    release.set()
+    _receive(worker, "r")
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.counters()["fetches"] == 0 and worker.counters()["req_loads"] == 0
     worker.shutdown()
     assert not any(worker.counters().values()), worker.counters()
