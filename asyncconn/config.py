@@ -112,7 +112,9 @@ class Settings:
     )
     load_timeout: float = _opt(_positive_duration, 10.0, "a load not on the device after this fails")
     pinned_pool_bytes: int = _opt(_positive_size, 1 << 30, "pinned staging memory per worker, e.g. 1GiB")
-    max_inflight_loads: int = _opt(parse_count, 64, "loads fetched at once per worker")
+    max_inflight_loads: int = _opt(
+        parse_count, 64, "staged loads fetched at once per worker (in-place KV loads are not held back)"
+    )
     save_skip_existing: bool = _opt(parse_bool, True, "skip saving keys the store already has")
     arrival_timeout: float = _opt(
         _positive_duration, 5.0, "EC: how long PD waits for an item E announced but had not yet saved"
