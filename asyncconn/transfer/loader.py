@@ -169,6 +169,7 @@ class StreamLoader:
         # Totals.
         self.loaded = 0
         self.loaded_in_place = 0  # of ``loaded``: InPlace loads
+        self.reads_in_place = 0  # InPlace loads started, whatever their outcome
         self.loaded_bytes = 0
         self.cancelled = 0
         self.failures: collections.Counter[Failure] = collections.Counter()
@@ -303,6 +304,7 @@ class StreamLoader:
         out = {
             "loaded": self.loaded,
             "loaded_in_place": self.loaded_in_place,
+            "reads_in_place": self.reads_in_place,
             "loaded_bytes": self.loaded_bytes,
             "cancelled": self.cancelled,
         }
@@ -339,6 +341,7 @@ class StreamLoader:
                 # of a prefix back for a later poll only stretched the load.
                 self._queued.popleft()
                 self.futures_pending += 1
+                self.reads_in_place += 1
                 load.state = _FETCHING
                 started.append(load)
                 continue
