@@ -381,7 +381,7 @@ class FileBackend(StorageBackend):
             return [self._read_into(key, dests, sink) for key, dests, sink in reads]
         out: list[int | None] = []
         for key, dests, sink in reads:
-            if not self.inline_reads:  # told this filesystem cannot say what is cached (or found it cannot)
+            if not (self.inline_reads and _RWF_NOWAIT):  # this filesystem (or platform) cannot say
                 out.append(NOT_CACHED)
                 continue
             try:

@@ -277,3 +277,53 @@ async def test_the_default_store_is_bounded() -> None:
 
     opts = parse_url(DEFAULT_BACKEND_URL).options(FileBackend.params)
     assert 0 < opts["max_bytes"] <= parse_size("16GiB")
+
+
+async def test_cached_only_reads_come_from_the_page_cache_or_not_at_all(tmp_path: Path) -> None:
+    """``cached_only`` (in-place KV loads) uses preadv(RWF_NOWAIT): a page-cached value is served; with
+    ``inline_reads=false`` (a network filesystem, where the page cache cannot be trusted to answer without
+    waiting) nothing is, and nothing is written. A value evicted from the page cache is NOT_CACHED too
+    (it comes back once a plain read has cached it again)."""
+    from asyncconn.backend import NOT_CACHED
+
+    value = os.urandom(1 << 20)
+    on = FileBackend(tmp_path / "on")
+    off = FileBackend(tmp_path / "off", inline_reads=False)
+    for backend in (on, off):
+        await backend.put([("v", value)])
+    buf = bytearray(len(value))
+    assert await on.get_into_many([("v", [memoryview(buf)], None)], cached_only=True) == [len(value)]
+    assert bytes(buf) == value
+    buf = bytearray(len(value))
+    assert await off.get_into_many([("v", [memoryview(buf)], None)], cached_only=True) == [NOT_CACHED]
+    assert bytes(buf) == bytes(len(value))
+    path = on.path_for("v")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    got = await on.get_into_many([("v", [memoryview(bytearray(len(value)))], None)], cached_only=True)
+    if _fs_type(path) in ("tmpfs", "ramfs"):  # its pages are the file: never evicted
+        assert got == [len(value)]
+    else:
+        assert got == [NOT_CACHED]
+        await on.get_into_many([("v", [memoryview(bytearray(len(value)))], None)])  # a plain read caches it
+        again = await on.get_into_many([("v", [memoryview(buf)], None)], cached_only=True)
+        assert again == [len(value)] and bytes(buf) == value
+    await on.close()
+    await off.close()
+
+
+def _fs_type(path: Path) -> str:
+    """The filesystem type of the mount holding ``path`` (from /proc/self/mounts)."""
+    best, kind = "", ""
+    target = str(path.resolve())
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[1]
+            if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                best, kind = point, fields[2]
+    return kind
