@@ -482,36 +482,29 @@ class StreamLoader:
         """
         single_thread_torch()  # the loop's own copies must not start an OpenMP team beside the engine's
         tasks: list[asyncio.Task[None]] = []
-        group: list[_Load] = []
-        group_bytes = 0
-        in_place: list[_Load] = []
-        in_place_bytes = 0
+        staged = _Groups(GROUP_BYTES)
+        in_place = _Groups(IN_PLACE_GROUP_BYTES)  # apart: their store calls are cached_only
         for load in loads:
             if load.cancel_requested:  # cancelled before the loop got here: nothing was written
                 self._hand_back(load, _Fetched(Failure.STORE_ERROR, "cancelled"))
                 continue
-            if isinstance(load.dest, InPlace):  # its own groups: their calls are cached_only
-                in_place.append(load)
-                in_place_bytes += load.dest.nbytes
-                if in_place_bytes >= IN_PLACE_GROUP_BYTES:
-                    tasks.append(self._start_group(in_place))
-                    in_place, in_place_bytes = [], 0
+            dest = load.dest
+            if isinstance(dest, InPlace):
+                full = in_place.add(load, dest.nbytes)
+            elif self.store.batch_reads and dest.shape is not None and dest.dtype is not None:
+                full = staged.add(load, dest.staging_nbytes)
+            else:
+                assert load.buf is not None
+                task = asyncio.ensure_future(self._fetch_and_land(load, load.buf))
+                load.task = task
+                task.add_done_callback(functools.partial(self._fetch_done, load))
+                tasks.append(task)
                 continue
-            assert load.buf is not None
-            if self.store.batch_reads and load.dest.shape is not None and load.dest.dtype is not None:
-                group.append(load)
-                group_bytes += load.dest.staging_nbytes
-                if group_bytes >= GROUP_BYTES:
-                    tasks.append(self._start_group(group))
-                    group, group_bytes = [], 0
-                continue
-            task = asyncio.ensure_future(self._fetch_and_land(load, load.buf))
-            load.task = task
-            task.add_done_callback(functools.partial(self._fetch_done, load))
-            tasks.append(task)
-        for rest in (group, in_place):
-            if rest:
-                tasks.append(self._start_group(rest))
+            if full:
+                tasks.append(self._start_group(full))
+        for groups in (staged, in_place):
+            if groups.loads:
+                tasks.append(self._start_group(groups.loads))
         if not tasks:
             return
         try:
@@ -619,6 +612,26 @@ class StreamLoader:
         if present:
             return _Fetched(Failure.CORRUPT, f"value is not a valid frame {expected}".rstrip())
         return _Fetched(Failure.MISS, "not in the store")
+
+
+class _Groups:
+    """Loads cut into consecutive groups of about ``limit`` bytes, one store call each."""
+
+    __slots__ = ("limit", "loads", "nbytes")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.loads: list[_Load] = []
+        self.nbytes = 0
+
+    def add(self, load: _Load, nbytes: int) -> list[_Load] | None:
+        """Add ``load``; the group it completes, if it does."""
+        self.loads.append(load)
+        self.nbytes += nbytes
+        if self.nbytes < self.limit:
+            return None
+        full, self.loads, self.nbytes = self.loads, [], 0
+        return full
 
 
 def _unlanded(task: asyncio.Task[None]) -> _Fetched | None:

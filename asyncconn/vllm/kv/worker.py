@@ -12,7 +12,10 @@ layer count) and makes "present" mean "every layer present".
 Loads: ``start_load_kv`` hands each value to the :class:`StreamLoader` (store -> staging -> device on its
 side stream); a value several requests need is fetched once. When a value has landed, its blocks are
 scattered into each layer at the request's block ids, on the worker's current stream -- before the next
-forward that could read them. A request is reported in ``finished_recving`` once all its values are in;
+forward that could read them. On a CPU engine over a store that serves reads from memory (``file://``'s
+page cache), a whole value is read *in place* instead: its destination is the request's blocks themselves,
+so there is no staging buffer and no copy out of one; such a request is reported only once every read into
+its blocks has ended, also when it was aborted or timed out meanwhile. A request is reported in ``finished_recving`` once all its values are in;
 blocks whose value failed (miss, corrupt, timeout, dead store, deadline) are reported the same step through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them.
 
@@ -386,9 +389,8 @@ class KVWorkerSide:
                 if load is not None:
                     load.remaining.discard(key)
                 return
-            else:
-                fetch.owner_dropped = True
-                return
+            fetch.owner_dropped = True
+            return
         if load is not None:
             load.remaining.discard(key)
         if not kept and not fetch.owner_dropped:
