@@ -15,9 +15,10 @@ scattered into each layer at the request's block ids, on the worker's current st
 forward that could read them. On a CPU engine over a store that serves reads from memory (``file://``'s
 page cache), a whole value is read *in place* instead: its destination is the request's blocks themselves,
 so there is no staging buffer and no copy out of one; such a request is reported only once every read into
-its blocks has ended, also when it was aborted or timed out meanwhile. A request is reported in ``finished_recving`` once all its values are in;
-blocks whose value failed (miss, corrupt, timeout, dead store, deadline) are reported the same step through
-``get_block_ids_with_load_errors`` so vLLM recomputes them.
+its blocks has ended, also when it was aborted or timed out meanwhile. A request is reported in
+``finished_recving`` once all its values are in; blocks whose value failed (miss, corrupt, timeout, dead
+store, deadline) are reported the same step through ``get_block_ids_with_load_errors`` so vLLM recomputes
+them.
 
 Saves: ``wait_for_save`` submits the step's planned values to the :class:`SaveTracker` as slices of one
 gather over the cache (one ``index_select`` per layer) -- evaluated lazily on the tracker's copy thread on
