@@ -31,7 +31,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -50,6 +50,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "Chunks",
+    "Described",
     "FrameHeader",
     "FrameVerifier",
     "decode",
@@ -390,6 +391,16 @@ def decode_into(
     return header
 
 
+class Described(Protocol):
+    """What a verifier checks a frame against: a tensor, or a destination that only describes one."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
 class FrameVerifier:
     """Checks a frame fed piece by piece, as a reader lands it in the destination's memory.
 
@@ -404,7 +415,7 @@ class FrameVerifier:
     verifies_value = True
 
     def __init__(
-        self, out: torch.Tensor, *, max_payload: int = DEFAULT_MAX_PAYLOAD, key: Key | None = None
+        self, out: Described, *, max_payload: int = DEFAULT_MAX_PAYLOAD, key: Key | None = None
     ) -> None:
         self._out = out
         self._key = key
@@ -450,7 +461,10 @@ class FrameVerifier:
         if self._seen != header.payload_len:
             raise FrameTruncated(f"frame payload is {self._seen} bytes, header promises {header.payload_len}")
         out = self._out
-        if out.dtype != header.dtype or out.numel() * out.element_size() != header.payload_len:
+        numel = 1
+        for dim in out.shape:
+            numel *= dim
+        if out.dtype != header.dtype or numel * out.dtype.itemsize != header.payload_len:
             raise FrameMismatch(
                 f"frame holds {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}"
             )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import os
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -52,7 +53,9 @@ class Scattered:
 
     Why: a host KV cache keeps a value's blocks apart (a piece per layer); reading straight into them saves
     the staging buffer and the copy out of it. The pieces are written before the frame is checked: on any
-    outcome but a hit their contents are unspecified.
+    outcome but a hit their contents are unspecified. The loader takes it as an *in-place* destination
+    (``StreamLoader``: a host device only, and only values the store holds in memory, so that a read
+    writing the caller's memory always ends within a memory copy).
     """
 
     dtype: torch.dtype
@@ -60,17 +63,20 @@ class Scattered:
     views: tuple[memoryview, ...]
 
     def __post_init__(self) -> None:
-        numel = 1
-        for dim in self.shape:
-            numel *= dim
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         nbytes = sum(v.nbytes for v in self.views)
-        if nbytes != numel * self.dtype.itemsize:
+        if nbytes != self.nbytes:
             raise InvalidInput(
                 f"Scattered: pieces hold {nbytes} bytes, a {self.dtype}{list(self.shape)} value is "
-                f"{numel * self.dtype.itemsize}"
+                f"{self.nbytes}"
             )
         if any(v.readonly for v in self.views):
             raise InvalidInput("Scattered: a piece is read-only")
+
+    @property
+    def nbytes(self) -> int:
+        """The value's bytes: the pieces' total."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -352,7 +358,6 @@ class _DirectRead:
         if isinstance(out, Scattered):
             self.dtype, self.shape = out.dtype, out.shape
             self.payload = list(out.views)
-            out = torch.empty(out.shape, dtype=out.dtype, device="meta")  # what the verifier checks against
         else:
             self.dtype, self.shape = out.dtype, tuple(out.shape)
             self.payload = [codec.tensor_bytes(out)]

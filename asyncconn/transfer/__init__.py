@@ -7,6 +7,7 @@ the save tracker's on its copy thread (the CPU's "side stream").
 
 from __future__ import annotations
 
+from asyncconn.store import Scattered
 from asyncconn.transfer._device import (
     LOAD_PRIORITY,
     SAVE_PRIORITY,
@@ -16,7 +17,7 @@ from asyncconn.transfer._device import (
     default_device,
     engine_devices,
 )
-from asyncconn.transfer.dest import InPlace, NewTensor
+from asyncconn.transfer.dest import NewTensor
 from asyncconn.transfer.failures import Failure
 from asyncconn.transfer.lazy import LazyTensor, Pieces, Shared, Slice
 from asyncconn.transfer.loader import LoadResult, StreamLoader
@@ -31,12 +32,12 @@ __all__ = [
     "Failure",
     "LazyTensor",
     "LoadResult",
-    "InPlace",
     "NewTensor",
     "Pieces",
     "PinnedBuffer",
     "PinnedPool",
     "SaveTracker",
+    "Scattered",
     "Shared",
     "Slice",
     "StreamLoader",

@@ -1,5 +1,5 @@
-"""Where a loaded value goes: a new device tensor (:class:`NewTensor`), or host memory already there
-(:class:`InPlace`).
+"""Where a loaded value goes: a new device tensor (:class:`NewTensor`); or, on a host device, memory the
+caller already has (:class:`~asyncconn.store.Scattered`, the store's destination in pieces).
 
 The description is validated when it is built, on the caller's thread, so a wrong shape is a
 :class:`ConfigError` at ``submit`` time rather than a failed copy later. KV values are loaded the same way and
@@ -16,7 +16,7 @@ import torch
 
 from asyncconn.exceptions import ConfigError
 
-__all__ = ["InPlace", "NewTensor"]
+__all__ = ["NewTensor"]
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -54,34 +54,4 @@ class NewTensor:
     def staging_nbytes(self) -> int:
         if self.shape is None or self.dtype is None:
             return self.max_nbytes
-        return _nbytes(self.shape, self.dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class InPlace:
-    """Load straight into host memory the caller owns (``views``, filled in order): no staging, no copy.
-
-    Why: on a CPU engine the KV cache is host memory, and reading a value into its blocks directly saves a
-    pass over every byte (the staging buffer and the copy out of it). Only for a loader on a host device,
-    and only values the store holds in memory (``TensorStore.cached_reads``: every such read ends within a
-    memory copy, so it cannot hang holding the caller's memory); a value the store would have to wait for
-    comes back as ``Failure.NOT_CACHED`` and the caller loads it another way. The memory may be written
-    until the load's result is reported, and on any failure its contents are unspecified. A load that has
-    started cannot be cancelled (``StreamLoader.cancel`` says so).
-    """
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    views: tuple[memoryview, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        if sum(v.nbytes for v in self.views) != self.nbytes:
-            raise ConfigError(
-                f"InPlace: the views hold {sum(v.nbytes for v in self.views)} bytes, a "
-                f"{self.dtype}{list(self.shape)} value is {self.nbytes}"
-            )
-
-    @property
-    def nbytes(self) -> int:
         return _nbytes(self.shape, self.dtype)

@@ -70,7 +70,7 @@ class Failure(enum.StrEnum):
     STORE_ERROR = "store_error"  # the store failed (unreachable, full, closed) or the runtime is gone
     TOO_LARGE = "too_large"  # the value can never fit the staging pool or the declared maximum
     DEVICE_ERROR = "device_error"  # the device refused (e.g. out of memory for the destination)
-    NOT_CACHED = "not_cached"  # an InPlace load the store could not serve from memory: load it another way
+    NOT_CACHED = "not_cached"  # an in-place load the store could not serve from memory: load it another way
 
 
 def classify(exc: BaseException) -> tuple[Failure, str]:

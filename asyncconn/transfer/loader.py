@@ -19,9 +19,10 @@ A load moves through three states, each owned by one thread (docs/architecture.m
 Failures -- miss, corrupt, timeout, store error, too large, device error -- come back from ``poll()`` as
 :class:`LoadResult` values with a reason; no exception from the store ever reaches the worker thread.
 
-In-place loads (:class:`InPlace`, a host device only) skip states 1's buffer and 3: the store reads the value
-straight into the caller's memory, in groups with ``cached_only`` (nothing that could wait for a disk), and
-the result is reported as soon as the read has ended.
+In-place loads (a :class:`~asyncconn.store.Scattered` destination, a host device only) skip state 1's
+buffer and state 3: the store reads the value straight into the caller's memory, the pieces in order, in
+groups with ``cached_only`` (nothing that could wait for a disk), and the result is reported as soon as the
+read has ended.
 
 Cancellation (``cancel(key)``) never frees a buffer that something may still write: a queued load is simply
 dropped; a fetching load's task is cancelled *on the loop* (a load in a group is only marked: its group's
@@ -56,7 +57,7 @@ from asyncconn.transfer._device import (
     default_device,
     single_thread_torch,
 )
-from asyncconn.transfer.dest import InPlace, NewTensor
+from asyncconn.transfer.dest import NewTensor
 from asyncconn.transfer.failures import Failure, classify
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 
@@ -68,9 +69,9 @@ log = logging.getLogger(__name__)
 #: Small enough that the first values land (and the worker copies them out) while later groups are read;
 #: large enough that a call's fixed cost is spread over several values.
 GROUP_BYTES = 4 << 20
-#: The same for :class:`InPlace` loads. Larger: nothing waits to copy a value out of staging, so the first
-#: values landing early gains nothing, and fewer calls mean fewer hand-offs between the loop and the store's
-#: threads, which on a small CPU engine were most of a prefix load's time.
+#: The same for in-place loads (``Scattered`` destinations). Larger: nothing waits to copy a value out of
+#: staging, so the first values landing early gains nothing, and fewer calls mean fewer hand-offs between
+#: the loop and the store's threads, which on a small CPU engine were most of a prefix load's time.
 IN_PLACE_GROUP_BYTES = 16 << 20
 
 _QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
@@ -80,8 +81,8 @@ _QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
 class LoadResult:
     """One finished load: ``tensor`` is ready on the default stream, or ``failure`` says why there is none.
 
-    An :class:`InPlace` load that succeeded has ``in_place`` set and no tensor: its bytes are in the
-    caller's memory.
+    An in-place load (a ``Scattered`` destination) that succeeded has ``in_place`` set and no tensor: its
+    bytes are in the caller's memory.
     """
 
     key: str
@@ -119,7 +120,7 @@ class _Load:
         "task",
     )
 
-    def __init__(self, key: str, dest: NewTensor | InPlace) -> None:
+    def __init__(self, key: str, dest: NewTensor | Scattered) -> None:
         self.key = key
         self.dest = dest
         self.state = _QUEUED
@@ -168,14 +169,14 @@ class StreamLoader:
         self.futures_pending = 0
         # Totals.
         self.loaded = 0
-        self.loaded_in_place = 0  # of ``loaded``: InPlace loads
-        self.reads_in_place = 0  # InPlace loads started, whatever their outcome
+        self.loaded_in_place = 0  # of ``loaded``: in-place loads
+        self.reads_in_place = 0  # in-place loads started, whatever their outcome
         self.loaded_bytes = 0
         self.cancelled = 0
         self.failures: collections.Counter[Failure] = collections.Counter()
 
     # -- public API ------------------------------------------------------------------------------------
-    def submit(self, key: str, dest: NewTensor | InPlace) -> None:
+    def submit(self, key: str, dest: NewTensor | Scattered) -> None:
         """Start loading ``key`` into ``dest``; its result comes back from a later :meth:`poll`.
 
         Raises :class:`DuplicateTransfer` if ``key`` is already loading (cancel it first), and
@@ -183,7 +184,7 @@ class StreamLoader:
         """
         self.submit_many([(key, dest)])
 
-    def submit_many(self, items: Iterable[tuple[str, NewTensor | InPlace]]) -> None:
+    def submit_many(self, items: Iterable[tuple[str, NewTensor | Scattered]]) -> None:
         """Submit several loads with one hand-off to the loop (one wake-up for a whole step's loads).
 
         All-or-nothing: every item is checked before any is queued.
@@ -195,11 +196,13 @@ class StreamLoader:
         for key, dest in items:
             if key in self._loads or key in keys:
                 raise DuplicateTransfer(f"{key!r} is already being loaded")
-            if isinstance(dest, InPlace):
+            if isinstance(dest, Scattered):
                 if not self.device.synchronous:
-                    raise TransferError("an InPlace load needs a host device (the memory is the destination)")
+                    raise TransferError(
+                        "an in-place (Scattered) load needs a host device (the memory is the destination)"
+                    )
             elif not isinstance(dest, NewTensor):
-                raise TransferError(f"dest must be a NewTensor or InPlace, not {type(dest).__name__}")
+                raise TransferError(f"dest must be a NewTensor or Scattered, not {type(dest).__name__}")
             keys.add(key)
             loads.append(_Load(key, dest))
         for load in loads:
@@ -226,7 +229,7 @@ class StreamLoader:
         lend = consume is not None and self.device.synchronous
         while self._fetched:
             load = self._fetched.popleft()
-            if isinstance(load.dest, InPlace):
+            if isinstance(load.dest, Scattered):
                 self._landed_in_place(load, results)
             elif lend:
                 assert consume is not None
@@ -267,11 +270,11 @@ class StreamLoader:
     def cancel(self, key: str) -> bool:
         """Abandon a load (an aborted request): nothing is reported for it. False if it was not in flight.
 
-        Also False for an :class:`InPlace` load already being read: the read writes the caller's memory
+        Also False for an in-place load already being read: the read writes the caller's memory
         until it ends, and the caller learns that it has ended from its result, which comes as usual.
         """
         load = self._loads.get(key)
-        if load is None or (isinstance(load.dest, InPlace) and load.state != _QUEUED):
+        if load is None or (isinstance(load.dest, Scattered) and load.state != _QUEUED):
             return False
         del self._loads[key]
         load.cancelled = True
@@ -335,7 +338,7 @@ class StreamLoader:
         started: list[_Load] = []
         while self._queued:
             load = self._queued[0]
-            if isinstance(load.dest, InPlace):
+            if isinstance(load.dest, Scattered):
                 # The caller's memory: no staging buffer taken, and not bounded by ``max_inflight`` (which
                 # bounds the staging in use): each read is a memory copy (``cached_only``), and holding part
                 # of a prefix back for a later poll only stretched the load.
@@ -403,7 +406,7 @@ class StreamLoader:
 
     def _landed_in_place(self, load: _Load, results: list[LoadResult]) -> None:
         fetched, load.fetched = load.fetched, None
-        assert fetched is not None and isinstance(load.dest, InPlace)
+        assert fetched is not None and isinstance(load.dest, Scattered)
         self.futures_pending -= 1
         if load.cancelled:
             load.state = _DONE
@@ -489,7 +492,7 @@ class StreamLoader:
                 self._hand_back(load, _Fetched(Failure.STORE_ERROR, "cancelled"))
                 continue
             dest = load.dest
-            if isinstance(dest, InPlace):
+            if isinstance(dest, Scattered):
                 full = in_place.add(load, dest.nbytes)
             elif self.store.batch_reads and dest.shape is not None and dest.dtype is not None:
                 full = staged.add(load, dest.staging_nbytes)
@@ -528,12 +531,12 @@ class StreamLoader:
         items: list[tuple[str, torch.Tensor | Scattered]] = []
         for load in loads:
             dest = load.dest
-            if isinstance(dest, InPlace):
-                items.append((load.key, Scattered(dest.dtype, dest.shape, dest.views)))
+            if isinstance(dest, Scattered):
+                items.append((load.key, dest))
                 continue
             assert load.buf is not None and dest.dtype is not None and dest.shape is not None
             items.append((load.key, load.buf.view(dest.dtype, dest.shape)))
-        cached_only = isinstance(loads[0].dest, InPlace)  # a group is all in place or all staged
+        cached_only = isinstance(loads[0].dest, Scattered)  # a group is all in place or all staged
         statuses = await self.store.read_into_many(items, cached_only=cached_only)
         fetched = [
             self._outcome(status, load.dest.dtype, load.dest.shape)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from asyncconn import codec
-from asyncconn.exceptions import ConfigError, TransferError
+from asyncconn.exceptions import InvalidInput, TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import CpuDevice, Failure, InPlace, NewTensor, PinnedPool, StreamLoader
+from asyncconn.transfer import CpuDevice, Failure, NewTensor, PinnedPool, Scattered, StreamLoader
 from asyncconn.transfer import loader as loader_module
 from tests.transfer.fakes import GatedBatchBackend
 from tests.transfer.helpers import drain_loads, wait_until
@@ -166,9 +166,9 @@ def test_file_store_loads_a_prefix_in_groups_and_a_bad_value_fails_alone(
     assert_idle(loader)
 
 
-# -- InPlace: straight into the caller's host memory ------------------------------------------------------
-def _in_place(rows: list[torch.Tensor], shape: tuple[int, ...]) -> InPlace:
-    return InPlace(torch.float32, shape, tuple(codec.tensor_bytes(r) for r in rows))
+# -- in place (Scattered): straight into the caller's host memory -------------------------------------------
+def _in_place(rows: list[torch.Tensor], shape: tuple[int, ...]) -> Scattered:
+    return Scattered(torch.float32, shape, tuple(codec.tensor_bytes(r) for r in rows))
 
 
 def test_in_place_loads_land_in_the_callers_memory_and_a_bad_value_fails_alone(
@@ -275,5 +275,5 @@ def test_in_place_needs_a_host_device(runtime: Runtime, file_store: TensorStore)
     loader = StreamLoader(file_store, runtime=runtime, device=NotHost(), pool=PinnedPool(1 << 20))
     with pytest.raises(TransferError, match="host device"):
         loader.submit("a", _in_place([torch.zeros(SHAPE)], SHAPE))
-    with pytest.raises(ConfigError):
-        InPlace(torch.float32, (2, 256), (codec.tensor_bytes(torch.zeros(SHAPE)),))
+    with pytest.raises(InvalidInput):
+        Scattered(torch.float32, (2, 256), (codec.tensor_bytes(torch.zeros(SHAPE)),))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,8 +43,8 @@ import torch
 from asyncconn import codec
 from asyncconn.exceptions import AsyncConnError, ConfigError, RuntimeClosed
 from asyncconn.runtime import Runtime
-from asyncconn.store import TensorStore
-from asyncconn.transfer import CpuDevice, Failure, InPlace, LoadResult, NewTensor, SaveTracker, StreamLoader
+from asyncconn.store import Scattered, TensorStore
+from asyncconn.transfer import CpuDevice, Failure, LoadResult, NewTensor, SaveTracker, StreamLoader
 from asyncconn.transfer.lazy import Pieces, Shared
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, SaveSpec, ValueRef
@@ -162,8 +163,12 @@ class KVWorkerSide:
         self._layer_caches: list[tuple[torch.Tensor, int]] = []  # (cache, KV cache group) per layer, in order
         self._whole: tuple[int, ...] = ()  # every block position of a value
         self.layout: LayerLayout | None = None
-        # Flat byte views of the layers' caches when loads can land in them directly (see _in_place_dest).
+        # Flat byte views of the layers' caches when loads can land in them directly (see _in_place_dest),
+        # with the bytes of one block and the number of block runs per layer (outer dims before the blocks).
         self._cache_bytes: list[memoryview] | None = None
+        self._block_bytes = 0
+        self._outer = 1
+        self._staged: NewTensor | None = None  # a whole value loaded through staging (set at registration)
         self._fetches: dict[str, _Fetch] = {}  # store key -> waiting targets
         self._req_loads: dict[str, _ReqLoad] = {}  # request id -> its load, until reported
         self._load_errors: set[int] = set()
@@ -182,6 +187,7 @@ class KVWorkerSide:
         self.caches = {name: kv_caches[name] for name in self.layers}
         self._layer_caches = [(self.caches[n], self.group_of_layer[n]) for n in self.layers]
         self._whole = tuple(range(self.keys.blocks_per_value))
+        self._staged = NewTensor(self._value_shape(), self.layout.dtype)
         self._cache_bytes = None
         if (
             self.loader.device.synchronous
@@ -189,6 +195,9 @@ class KVWorkerSide:
             and all(c.device.type == "cpu" and c.is_contiguous() for c, _ in self._layer_caches)
         ):
             self._cache_bytes = [codec.tensor_bytes(c) for c, _ in self._layer_caches]
+            shape, dim = self.layout.layer_shape, self.layout.block_dim
+            self._outer = math.prod(shape[:dim])
+            self._block_bytes = self._cache_bytes[0].nbytes // (self._outer * shape[dim])
 
     def set_rank(self, rank: int) -> None:
         """This worker's TP rank (vLLM's TP group when initialized; simulators set it here)."""
@@ -204,10 +213,10 @@ class KVWorkerSide:
     def start_load_kv(self, meta: AsyncConnKVMetadata) -> None:
         """Issue this step's loads (never waits), then collect whatever has landed meanwhile."""
         if meta.loads:
-            assert self.layout is not None, "register_kv_caches was not called"
-            dest = NewTensor(self._value_shape(), self.layout.dtype)
+            dest = self._staged
+            assert dest is not None, "register_kv_caches was not called"
             now = time.monotonic()
-            submit: list[tuple[str, NewTensor | InPlace]] = []
+            submit: list[tuple[str, NewTensor | Scattered]] = []
             for spec in meta.loads:
                 load = self._req_loads.setdefault(spec.request_id, _ReqLoad(now, now + self.load_timeout))
                 for ref in spec.values:
@@ -225,25 +234,21 @@ class KVWorkerSide:
                 self.loader.submit_many(submit)
         self._poll_loads()
 
-    def _in_place_dest(self, ref: ValueRef) -> InPlace | None:
+    def _in_place_dest(self, ref: ValueRef) -> Scattered | None:
         """The value's blocks in the cache as its destination, when it can land there directly: a host
         cache (CPU engine), a store that serves reads from memory (``file://``'s page cache), and the whole
         value wanted. Its bytes, layer by layer, are the blocks ``ref.block_ids`` of each layer in order (a
         run of consecutive ids is one piece), so no staging buffer and no copy out of one."""
         if self._cache_bytes is None or ref.positions != self._whole:
             return None
-        assert self.layout is not None
-        dim = self.layout.block_dim
-        shape = self.layout.layer_shape
-        outer = 1
-        for d in shape[:dim]:
-            outer *= d
-        per_block = self._cache_bytes[0].nbytes // (outer * shape[dim])
+        assert self.layout is not None and self._staged is not None
+        per_block = self._block_bytes
+        blocks = self.layout.layer_shape[self.layout.block_dim]
         views: list[memoryview] = []
         for (_, group), flat in zip(self._layer_caches, self._cache_bytes, strict=True):
             ids = ref.block_ids[group]
-            for o in range(outer):
-                base = o * shape[dim]
+            for o in range(self._outer):
+                base = o * blocks
                 i = 0
                 while i < len(ids):
                     j = i + 1
@@ -252,7 +257,7 @@ class KVWorkerSide:
                     start = (base + ids[i]) * per_block
                     views.append(flat[start : start + (j - i) * per_block])
                     i = j
-        return InPlace(self.layout.dtype, self._value_shape(), tuple(views))
+        return Scattered(self.layout.dtype, self._staged.shape or (), tuple(views))
 
     def poll(self) -> None:
         """Collect landed and cancelled loads (vLLM's calls do this every step; an idle engine makes none,
@@ -286,15 +291,16 @@ class KVWorkerSide:
         if result.failure is Failure.NOT_CACHED:  # the store would have had to wait: read it via staging
             self._stats.add("loads_not_in_memory")
             if fetch.targets:
-                assert self.layout is not None
+                assert self._staged is not None
                 self._fetches[result.key] = _Fetch(fetch.targets)
-                self.loader.submit(result.key, NewTensor(self._value_shape(), self.layout.dtype))
+                self.loader.submit(result.key, self._staged)
             return
         value = result.tensor
         ok = result.ok and (value is not None or result.in_place)
         if ok:
             self._stats.add("loads")
-            self._stats.add("bytes_loaded", self._value_nbytes())
+            assert self._staged is not None
+            self._stats.add("bytes_loaded", self._staged.staging_nbytes)
             if result.in_place:
                 self._stats.add("loads_in_place")
         else:
@@ -320,13 +326,6 @@ class KVWorkerSide:
             else:
                 self._scatter(value, ref)
             self._stats.add("tokens_loaded", len(ref.positions) * block_size)
-
-    def _value_nbytes(self) -> int:
-        assert self.layout is not None
-        numel = 1
-        for d in self._value_shape():
-            numel *= d
-        return numel * self.layout.dtype.itemsize
 
     def _delete(self, key: str) -> None:
         """Remove a corrupt value, so the request that recomputes it can save a good one (a save skips
