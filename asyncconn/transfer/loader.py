@@ -69,10 +69,12 @@ log = logging.getLogger(__name__)
 #: Small enough that the first values land (and the worker copies them out) while later groups are read;
 #: large enough that a call's fixed cost is spread over several values.
 GROUP_BYTES = 4 << 20
-#: The same for in-place loads (``Scattered`` destinations). Larger: nothing waits to copy a value out of
-#: staging, so the first values landing early gains nothing, and fewer calls mean fewer hand-offs between
-#: the loop and the store's threads, which on a small CPU engine were most of a prefix load's time.
-IN_PLACE_GROUP_BYTES = 16 << 20
+#: The most bytes one store call reads for in-place loads (``Scattered`` destinations); a batch's in-place
+#: loads are cut into as few groups of even size as this allows. Larger than ``GROUP_BYTES``: nothing waits
+#: to copy a value out of staging, so the first values landing early gains nothing, and each call is a
+#: hand-off between the loop and the store's threads, which on a small CPU engine were most of a prefix
+#: load's time (a 112 MiB prefix on 2 cores: two calls of 56 MiB beat seven of 16 MiB).
+IN_PLACE_GROUP_BYTES = 64 << 20
 
 _QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
 
@@ -486,7 +488,8 @@ class StreamLoader:
         single_thread_torch()  # the loop's own copies must not start an OpenMP team beside the engine's
         tasks: list[asyncio.Task[None]] = []
         staged = _Groups(GROUP_BYTES)
-        in_place = _Groups(IN_PLACE_GROUP_BYTES)  # apart: their store calls are cached_only
+        in_place_bytes = sum(ld.dest.nbytes for ld in loads if isinstance(ld.dest, Scattered))
+        in_place = _Groups(_even_limit(in_place_bytes, IN_PLACE_GROUP_BYTES))  # apart: cached_only calls
         for load in loads:
             if load.cancel_requested:  # cancelled before the loop got here: nothing was written
                 self._hand_back(load, _Fetched(Failure.STORE_ERROR, "cancelled"))
@@ -635,6 +638,13 @@ class _Groups:
             return None
         full, self.loads, self.nbytes = self.loads, [], 0
         return full
+
+
+def _even_limit(total: int, most: int) -> int:
+    """The group size that cuts ``total`` bytes into as few groups of at most ``most`` as possible, evenly
+    (so the groups, read side by side on the store's threads, end together)."""
+    groups = max(-(-total // most), 1)
+    return max(-(-total // groups), 1)
 
 
 def _unlanded(task: asyncio.Task[None]) -> _Fetched | None:

@@ -199,6 +199,34 @@ def test_in_place_loads_land_in_the_callers_memory_and_a_bad_value_fails_alone(
     assert_idle(loader)
 
 
+def test_a_batch_of_in_place_loads_is_read_in_as_few_even_groups_as_the_bound_allows(
+    runtime: Runtime, file_store: TensorStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """10 KiB of in-place loads under a 4 KiB bound: three store calls of 4, 4 and 2 values (not 4, 4, 1 and
+    an empty one); under the default bound, one call. Each call's values land whole."""
+    values = {f"g{i}": value(i) for i in range(10)}
+    runtime.run(file_store.put(values.items()))
+    calls: list[list[str]] = []
+    real = type(file_store.backend)._read_many
+
+    def recording(self: object, reads: list[tuple[str, object, object]], cached_only: bool = False) -> object:
+        calls.append([key for key, _, _ in reads])
+        return real(self, reads, cached_only)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(file_store.backend), "_read_many", recording)
+    for bound, sizes in ((4 * VALUE_BYTES, [4, 4, 2]), (loader_module.IN_PLACE_GROUP_BYTES, [10])):
+        monkeypatch.setattr(loader_module, "IN_PLACE_GROUP_BYTES", bound)
+        calls.clear()
+        loader = make_loader(file_store, runtime)
+        rows = {k: [torch.zeros(SHAPE)] for k in values}
+        loader.submit_many((k, _in_place(rows[k], SHAPE)) for k in values)
+        results = drain_loads(loader, len(values))
+        assert sorted(len(c) for c in calls) == sorted(sizes)
+        assert all(r.in_place for r in results.values())
+        assert all(torch.equal(rows[k][0], v) for k, v in values.items())
+        assert_idle(loader)
+
+
 def test_an_in_place_load_the_store_cannot_serve_from_memory_is_not_cached(
     runtime: Runtime, batch: GatedBatchBackend
 ) -> None:
