@@ -1,17 +1,20 @@
 """The KV connector's lifecycle and faults in vLLM's real engine.
 
-Aborts while a lookup, a load or a save is in flight; preemption under a small KV cache with chunked
+Aborts while a lookup, a load or a save is in flight, and while a read writes a request's blocks in place;
+preemption under a small KV cache with chunked
 prefill; a store killed before and during loads; corrupt values. Each ends with the engine healthy (greedy
 tokens and KV bytes equal a reference engine's) and every connector structure and KV block back to zero.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from asyncconn_backends.file import FileBackend
 
 from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate, sampling
@@ -159,6 +162,62 @@ def test_a_store_killed_before_or_during_loads_means_recompute_not_a_hang(
     other = [[t + 2 for t in p] for p in PROMPTS]
     generate(llm, other)
     assert time.monotonic() - started < 30
+    assert_idle(probe)
+
+
+def test_an_abort_while_a_read_writes_the_blocks_in_place_holds_them_until_the_read_ends(
+    text_model: Path,
+    engines: list[Any],
+    kv_reference: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``file://`` on a CPU engine reads a value straight into the request's cache blocks. Abort the request
+    while that read is held: vLLM must not get the request back (nor free its blocks) until the read has
+    ended, another request meanwhile runs beside it, and afterwards everything is idle and the
+    engine still loads byte for byte."""
+    root = tmp_path / "store"
+    save_prompts(text_model, f"file://{root}")
+    started, release = threading.Event(), threading.Event()
+    held: list[int] = []
+    real = FileBackend._read_many
+
+    def gated(self: FileBackend, reads: Any, cached_only: bool = False) -> list[int | None]:
+        if cached_only and not held:  # the first in-place read only
+            held.append(len(reads))
+            started.set()
+            assert release.wait(30), "the test never released the read"
+        return real(self, reads, cached_only)
+
+    monkeypatch.setattr(FileBackend, "_read_many", gated)
+    llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}"))
+    engines.append(llm)
+    probe = Probe(llm)
+    engine = llm.llm_engine
+    worker = probe.kv_worker_connector().worker_side
+    try:
+        engine.add_request("held", {"prompt_token_ids": PROMPTS[0]}, sampling())
+        step_until(probe, started.is_set, "the in-place read to start")
+        assert status_of(probe, "held") == "WAITING_FOR_REMOTE_KVS"
+        engine.abort_request(["held"])
+        for _ in range(5):
+            engine.step()
+            time.sleep(0.01)
+        # Aborted, but its blocks are still being written: the worker keeps its load, vLLM its blocks.
+        assert worker.counters()["req_loads"] == 1 and internal_ids(probe, "held")
+        # Another request (a prompt the store lacks, so it shares no read with the held one) runs and
+        # finishes beside it.
+        engine.add_request("beside", {"prompt_token_ids": [t + 1 for t in PROMPTS[2]]}, sampling())
+        step_until(probe, lambda: status_of(probe, "beside") is None, "the other request to finish")
+        assert worker.counters()["req_loads"] == 1
+    finally:
+        release.set()
+    step_until(probe, lambda: not internal_ids(probe, "held"), "the aborted request to be released")
+    assert held and worker.loader.reads_in_place > 0
+    assert_idle(probe)
+    assert generate(llm, PROMPTS) == kv_reference["tokens"]
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
     assert_idle(probe)
 
 

@@ -89,7 +89,9 @@ def test_openai_server_with_the_example_config_two_workers_and_metrics(
         ]
         after = _metrics(base)
         assert second == first
-        full = len(PROMPTS) * (len(PROMPTS[0]) // 32) * 32
+        per_value = 32 * config["kv_connector_extra_config"].get("kv_blocks_per_value", 1)
+        full = len(PROMPTS) * (len(PROMPTS[0]) // per_value) * per_value
+        assert full > 0
         external = (
             after["vllm:external_prefix_cache_hits_total"] - before["vllm:external_prefix_cache_hits_total"]
         )

@@ -90,8 +90,8 @@ def ttft_bench(tokens: int = 4096, prompts: int = 3, model_name: str = "text-100
         configs: dict[str, Callable[[], Any] | None] = {
             "recompute (no connector)": None,
             "asyncconn file://": lambda: kv_config(backend_url=f"file://{workdir / 'store'}"),
-            "asyncconn file://, 2 blocks per value": lambda: kv_config(
-                backend_url=f"file://{workdir / 'store-2'}", kv_blocks_per_value=2
+            "asyncconn file://, 4 blocks per value": lambda: kv_config(
+                backend_url=f"file://{workdir / 'store-4'}", kv_blocks_per_value=4
             ),
             "asyncconn redis://": lambda: kv_config(backend_url=redis_url),
             "vLLM ExampleConnector": lambda: _example_connector(workdir / "example"),
