@@ -14,8 +14,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # not at run time: block_vllm must run before asyncconn is imported
+    from asyncconn.runtime import Runtime
+    from asyncconn.vllm.kv.worker import KVWorkerSide
 
 HANG_GUARD = 10.0  # seconds
 
@@ -43,35 +48,47 @@ def _sync(where: str) -> None:
         torch.cuda.synchronize()
 
 
-def kv_round_trip(where: str) -> None:
-    """KV values saved from blocks 4..7 of a ``[2, num_blocks, ...]`` cache, the blocks rewritten at once
-    (preemption), then loaded back into blocks 40..43 while the default stream computes: equal bytes."""
-    from asyncconn.runtime import Runtime
+def kv_worker(
+    where: str, runtime: Runtime, *, copy_thread: bool | None = None
+) -> tuple[KVWorkerSide, dict[str, torch.Tensor]]:
+    """A :class:`KVWorkerSide` over ``memory://`` with a registered ``[2, 64, 16, 8, 128]`` fp16 cache of 4
+    layers, its loader and save tracker on side streams of their own (``copy_thread``: the tracker's
+    default, or a CPU tracker without its copy thread, which saves the way CUDA does)."""
     from asyncconn.store import TensorStore
     from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_devices
     from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
-    from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
     from asyncconn.vllm.kv.worker import KVWorkerSide
 
     layers = [f"layer.{i}" for i in range(4)]
     identity = KVIdentity("worker-sides", "", "float16", "default", 16, 8, 128, tuple(layers), 1, 2)
+    store = runtime.run(TensorStore.open(f"memory://kv-sides-{uuid.uuid4().hex[:8]}"), timeout=10)
+    load_device, save_device = engine_devices(where)
+    pool = PinnedPool(64 << 20, device=load_device)
+    worker = KVWorkerSide(
+        KeySpace(identity),
+        store=store,
+        loader=StreamLoader(store, runtime=runtime, device=load_device, pool=pool),
+        saver=SaveTracker(store, runtime=runtime, device=save_device, pool=pool, copy_thread=copy_thread),
+        runtime=runtime,
+        layers=layers,
+        group_of_layer=dict.fromkeys(layers, 0),
+        num_blocks=64,
+    )
+    caches = {n: torch.randn(2, 64, 16, 8, 128, device=where, dtype=torch.float16) for n in layers}
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def kv_round_trip(where: str, *, copy_thread: bool | None = None) -> None:
+    """KV values saved from blocks 4..7 of a ``[2, num_blocks, ...]`` cache, the blocks rewritten at once
+    (preemption), then loaded back into blocks 40..43 while the default stream computes: equal bytes."""
+    from asyncconn.runtime import Runtime
+    from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
+
     runtime = Runtime(name=f"kv-sides-{where}").start()
     try:
-        store = runtime.run(TensorStore.open(f"memory://kv-sides-{uuid.uuid4().hex[:8]}"), timeout=10)
-        load_device, save_device = engine_devices(where)
-        pool = PinnedPool(64 << 20, device=load_device)
-        worker = KVWorkerSide(
-            KeySpace(identity),
-            store=store,
-            loader=StreamLoader(store, runtime=runtime, device=load_device, pool=pool),
-            saver=SaveTracker(store, runtime=runtime, device=save_device, pool=pool),
-            runtime=runtime,
-            layers=layers,
-            group_of_layer=dict.fromkeys(layers, 0),
-            num_blocks=64,
-        )
-        caches = {n: torch.randn(2, 64, 16, 8, 128, device=where, dtype=torch.float16) for n in layers}
-        worker.register_kv_caches(caches)
+        worker, caches = kv_worker(where, runtime, copy_thread=copy_thread)
+        layers = list(caches)
         hashes = [bytes([i]) * 32 for i in range(2)]
         saved = {n: c[:, 4:8].clone() for n, c in caches.items()}
         refs = tuple(ValueRef(hashes[v], (0, 1), ((4 + 2 * v, 5 + 2 * v),)) for v in range(2))
@@ -108,7 +125,76 @@ def kv_round_trip(where: str) -> None:
         worker.shutdown()
         assert not any(worker.counters().values()), worker.counters()
         copier = worker.saver.copy_thread  # CPU: the snapshots ran there; shutdown joined it
-        assert (copier is not None) == (where == "cpu") and (copier is None or not copier.alive)
+        expected = where == "cpu" and copy_thread is not False
+        assert (copier is not None) == expected and (copier is None or not copier.alive)
+    finally:
+        runtime.close()
+
+
+def kv_one_polls_loads(where: str) -> list[int]:
+    """Six values saved from blocks 0..11, then loaded in one step by three requests into scattered,
+    reversed blocks -- one request wants only the second block of a value, two want the same value -- and
+    collected by one poll after every copy has ended: each block holds exactly its saved bytes. Returns the
+    sizes of the batches the worker scattered (CUDA: one of seven; CPU scatters from the lent staging
+    buffer, value by value, so none)."""
+    from asyncconn.runtime import Runtime
+    from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
+
+    runtime = Runtime(name=f"kv-batch-{where}").start()
+    try:
+        worker, caches = kv_worker(where, runtime)
+        hashes = [bytes([10 + v]) * 32 for v in range(6)]
+        saved = {n: c[:, 0:12].clone() for n, c in caches.items()}
+        refs = tuple(ValueRef(hashes[v], (0, 1), ((2 * v, 2 * v + 1),)) for v in range(6))
+        worker.save(AsyncConnKVMetadata(saves=[SaveSpec("w", refs)]))
+        sent: set[str] = set()
+        deadline = time.monotonic() + HANG_GUARD
+        while "w" not in sent and time.monotonic() < deadline:
+            done, _ = worker.get_finished({"w"} if not sent else set())
+            sent |= done or set()
+            time.sleep(0.001)
+        assert sent == {"w"}, "the saves were not reported"
+
+        # (request, value, its block positions, the blocks they go to)
+        plan = [
+            ("r1", 0, (0, 1), (40, 33)),
+            ("r1", 1, (0, 1), (30, 31)),
+            ("r1", 2, (0, 1), (63, 13)),
+            ("r1", 3, (0, 1), (50, 49)),
+            ("r2", 4, (0, 1), (20, 21)),
+            ("r2", 5, (1,), (25,)),
+            ("r3", 0, (0, 1), (36, 37)),
+        ]
+        loads: dict[str, list[ValueRef]] = {}
+        for rid, v, positions, blocks in plan:
+            loads.setdefault(rid, []).append(ValueRef(hashes[v], positions, (blocks,)))
+        sizes: list[int] = []
+        batch_of_one_poll = worker._scatter_batch
+
+        def spy() -> None:
+            sizes.append(len(worker._batch))
+            batch_of_one_poll()
+
+        setattr(worker, "_scatter_batch", spy)  # an instance-level spy
+        worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec(r, tuple(v)) for r, v in loads.items()]))
+        assert worker.loader.wait(HANG_GUARD), "the fetches did not land"
+        worker.poll()  # every value is in staging: their copies are issued together
+        _sync(where)
+        received: set[str] = set()
+        deadline = time.monotonic() + HANG_GUARD
+        while received != set(loads) and time.monotonic() < deadline:
+            _, got = worker.get_finished(set())
+            received |= got or set()
+        assert received == set(loads), "the loads were not reported"
+        assert worker.get_block_ids_with_load_errors() == set()
+        _sync(where)
+        for n, cache in caches.items():
+            for rid, v, positions, blocks in plan:
+                for p, b in zip(positions, blocks, strict=True):
+                    assert torch.equal(cache[:, b], saved[n][:, 2 * v + p]), f"{n} block {b} ({rid})"
+        worker.shutdown()
+        assert not any(worker.counters().values()), worker.counters()
+        return sizes
     finally:
         runtime.close()
 

@@ -13,7 +13,12 @@ is the engines alone; this is the worker sides vLLM drives, with no vLLM needed:
   ``--ec-width`` bf16 embedding (7 MiB by default) into ``encoder_cache`` (``ECWorkerSide.start_load_caches``
   with one install), p50/p99 over ``--repeat`` items (target <= 20 us).
 
-Device times come from CUDA events on the streams that ran the work. Without CUDA nothing is measured
+Device times come from CUDA events on the streams that ran the work, each stream kept busy just before its
+start event (``spin``) so that a span is the work's device time, not the host's time to launch it; the
+host's side is reported beside it: ``scatter_host_us`` (vLLM's thread writing a load's values into the
+cache, per load) and ``wait_for_save_host_*`` (``KVWorkerSide.save``, what ``wait_for_save`` runs; it
+includes the timing events' own launches). Loads are collected the way vLLM drives them, once per
+``--kv-step-ms``. Without CUDA nothing is measured
 (each part says so), unless ``--allow-cpu`` runs the same code on the CPU device with wall-clock spans: a
 check that the benchmark runs, not a figure.
 """
@@ -58,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-values", type=_args.count, default=8, help="KV values per run")
     parser.add_argument("--kv-layers", type=_args.count, default=8, help="layers per KV value")
     parser.add_argument("--kv-blocks-per-value", type=_args.count, default=16, help="blocks per KV value")
+    parser.add_argument(
+        "--kv-step-ms", type=float, default=5.0, help="time between the worker's polls during a load (a step)"
+    )
     parser.add_argument("--ec-rows", type=_args.count, default=1792, help="rows of the EC embedding")
     parser.add_argument("--ec-width", type=_args.count, default=2048, help="bf16 columns of the EC embedding")
     parser.add_argument("--repeat", type=_args.count, default=20, help="runs per figure (medians reported)")
@@ -77,6 +85,25 @@ def _mark(stream: torch.cuda.Stream | None) -> Mark:
     event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     event.record(stream)
     return event
+
+
+#: GPU cycles a stream spins for before a timed copy or kernel starts (~2 ms on an H100/H200 clock).
+SPIN_CYCLES = 4_000_000
+
+
+def spin(stream: torch.cuda.Stream) -> None:
+    """Keep ``stream`` busy for a while, so that what the host queues next -- a start event, then the work
+    it brackets -- is queued before the GPU gets there: the span between the events is then the work's
+    device time, not the host's time to launch it (which the host-side figures report)."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SPIN_CYCLES)  # type: ignore[no-untyped-call]
+
+
+def _start(stream: torch.cuda.Stream | None) -> Mark:
+    """:func:`_mark` after :func:`spin` (CUDA): the start of a device-time span."""
+    if stream is not None:
+        spin(stream)
+    return _mark(stream)
 
 
 def _ms(span: Span) -> float:
@@ -103,7 +130,7 @@ class _TimedCuda(CudaDevice):
     def copy(self, pairs: CopyPairs, *, after: Event | None = None) -> Event:
         if isinstance(after, torch.cuda.Event):
             self.stream.wait_event(after)  # so the span times the copy, not the wait
-        start = _mark(self.stream)
+        start = _start(self.stream)
         event = super().copy(pairs, after=after)
         self.spans.append((start, _mark(self.stream)))
         return event
@@ -130,18 +157,18 @@ def _raw_ms(cuda: bool, dst: torch.Tensor, src: torch.Tensor, repeat: int) -> fl
     stream = torch.cuda.current_stream() if cuda else None
     samples = []
     for _ in range(repeat):
-        start = _mark(stream)
+        start = _start(stream)
         dst.copy_(src, non_blocking=cuda)
         samples.append(_ms((start, _mark(stream))))
     return statistics.median(samples)
 
 
-def _poll(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+def _poll(cond: Callable[[], bool], what: str, timeout: float = 60.0, interval: float = 0.0001) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
             raise TimeoutError(f"benchmark: {what} did not finish")
-        time.sleep(0.0001)
+        time.sleep(interval)
 
 
 # -- KV ----------------------------------------------------------------------------------------------------
@@ -162,12 +189,29 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
     pool = PinnedPool(max(1 << 30, 4 * nvalues * value_bytes), device=load_device)
     scatter: list[Span] = []
 
+    scatter_host: list[float] = []
+
     class Worker(KVWorkerSide):
         def _scatter(self, value: torch.Tensor, ref: ValueRef) -> None:
+            self._timed(lambda: super(Worker, self)._scatter(value, ref))
+
+        def _scatter_batch(self) -> None:
+            self._timed(super()._scatter_batch)
+
+        def _timed(self, call: Callable[[], None]) -> None:
+            if getattr(self, "_inside", False):  # a batch of one calls _scatter: timed once
+                call()
+                return
+            self._inside = True
             stream = torch.cuda.current_stream() if cuda else None
-            start = _mark(stream)
-            super()._scatter(value, ref)
+            start = _start(stream)
+            t1 = time.perf_counter()  # the spin's launch is not the scatter's host time
+            try:
+                call()
+            finally:
+                self._inside = False
             scatter.append((start, _mark(stream)))
+            scatter_host.append(time.perf_counter() - t1)
 
     worker = Worker(
         KeySpace(identity),
@@ -180,7 +224,8 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
         num_blocks=num_blocks,
     )
     worker.register_kv_caches(caches)
-    save_ms, load_ms, scatter_ms = [], [], []
+    save_ms, load_ms, scatter_ms, save_host = [], [], [], []
+    scatter_host_us: list[float] = []
     try:
         for rep in range(args.repeat):
             hashes = [uuid.uuid4().bytes * 2 for _ in range(nvalues)]  # new keys: every save is stored
@@ -188,7 +233,9 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
             refs = tuple(ValueRef(h, tuple(range(bpv)), (b,)) for h, b in zip(hashes, blocks, strict=True))
             rid = f"save{rep}"
             save_device.spans.clear()
+            t0 = time.perf_counter()
             worker.save(AsyncConnKVMetadata(saves=[SaveSpec(rid, refs)]))
+            save_host.append(time.perf_counter() - t0)
             sent: set[str] = set()
 
             def saved(rid: str = rid, sent: set[str] = sent) -> bool:
@@ -207,6 +254,7 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
             rid = f"load{rep}"
             load_device.spans.clear()
             scatter.clear()
+            scatter_host.clear()
             worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec(rid, targets)]))
             received: set[str] = set()
 
@@ -215,12 +263,16 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
                 received.update(got or ())
                 return bool(received)
 
-            _poll(loaded, "KV loads")
+            # vLLM polls once per step: the values in staging by then go to the device together, and those
+            # whose copies have ended by the next step are scattered together.
+            worker.loader.wait(60)
+            _poll(loaded, "KV loads", interval=args.kv_step_ms / 1e3)
             if worker.get_block_ids_with_load_errors():
                 raise RuntimeError("benchmark: a KV load failed")
             _sync(cuda)
             load_ms.append(sum(_ms(s) for s in load_device.spans))
             scatter_ms.append(sum(_ms(s) for s in scatter))
+            scatter_host_us.append(sum(scatter_host) * 1e6)
     finally:
         worker.shutdown()
     total = nvalues * value_bytes
@@ -240,6 +292,7 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
             "raw_pinned_h2d_GBps": gbps(raw_h2d),
             "loader_h2d_ms": round(load, 3),
             "scatter_ms": round(scat, 3),
+            "scatter_host_us": round(statistics.median(scatter_host_us), 1),
             "worker_GBps": gbps(load + scat),
             "worker_vs_raw": round(raw_h2d / (load + scat), 3),
         },
@@ -250,6 +303,8 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
             "snapshot_d2h_ms": round(save, 3),
             "snapshot_GBps": gbps(save),
             "snapshot_vs_raw": round(raw_d2h / save, 3),
+            "wait_for_save_host_p50_us": round(statistics.median(save_host) * 1e6, 1),
+            "wait_for_save_host_max_us": round(max(save_host) * 1e6, 1),
         },
     }
 

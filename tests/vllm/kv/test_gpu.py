@@ -7,10 +7,12 @@ everywhere. The worker side needs no vLLM: this runs where vLLM is not installed
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from tests.transfer.worker_sides import kv_round_trip
+from tests.transfer.worker_sides import kv_one_polls_loads, kv_round_trip, kv_worker
 
 DEVICES = [
     "cpu",
@@ -27,3 +29,107 @@ DEVICES = [
 @pytest.mark.parametrize("where", DEVICES)
 def test_blocks_round_trip_through_the_store(where: str) -> None:
     kv_round_trip(where)
+
+
+def test_blocks_round_trip_through_synchronous_snapshots() -> None:
+    """CUDA's save flow (values gathered on vLLM's thread, one snapshot each) on CPU tensors."""
+    kv_round_trip("cpu", copy_thread=False)
+
+
+@pytest.mark.parametrize("where", DEVICES)
+def test_one_polls_loads_land_in_their_blocks(where: str) -> None:
+    sizes = kv_one_polls_loads(where)
+    # the path taken: on CUDA the seven targets in batches (two kernels per layer each), at least one of
+    # several values (the loader may hand a value over early); on CPU none
+    if where == "cuda":
+        assert sum(sizes) == 7 and max(sizes) >= 2, sizes
+    else:
+        assert sizes == []
+
+
+def test_a_batch_scatters_as_one_scatter_per_value_would() -> None:
+    """``_scatter_batch``'s logic on CPU tensors (it runs on CUDA values only): the same cache bytes as
+    ``_scatter`` value after value, for whole and partial values at scattered, reversed block ids."""
+    from asyncconn.runtime import Runtime
+    from asyncconn.vllm.kv.metadata import ValueRef
+
+    runtime = Runtime(name="kv-batch-logic").start()
+    try:
+        worker, caches = kv_worker("cpu", runtime)
+        before = {n: c.clone() for n, c in caches.items()}
+        shape = worker._value_shape()
+        values = [torch.randn(shape).half() for _ in range(4)]
+        refs = [
+            ValueRef(b"a" * 32, (0, 1), ((9, 3),)),
+            ValueRef(b"b" * 32, (1,), ((40,),)),
+            ValueRef(b"c" * 32, (0, 1), ((11, 12),)),
+            ValueRef(b"d" * 32, (0, 1), ((63, 0),)),
+        ]
+        worker._batch = list(zip(values, refs, strict=True))
+        worker._scatter_batch()
+        batched = {n: c.clone() for n, c in caches.items()}
+        for n, c in caches.items():
+            c.copy_(before[n])
+        for value, ref in zip(values, refs, strict=True):
+            worker._scatter(value, ref)
+        assert worker._batch == []
+        for n, c in caches.items():
+            assert torch.equal(batched[n], c), n
+            assert not torch.equal(c, before[n])
+        worker.shutdown()
+    finally:
+        runtime.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_saves_and_loads_never_wait_for_the_default_stream() -> None:
+    """With the forward's stream busy for a long while, ``wait_for_save`` (a gather at scattered block ids)
+    and the poll that scatters landed values (scattered ids again) return while it is still busy: vLLM's
+    thread never waits for the GPU to catch up. The bytes are right once the stream has run."""
+    from asyncconn.runtime import Runtime
+    from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
+
+    stream = torch.cuda.current_stream()
+    runtime = Runtime(name="kv-no-sync").start()
+    try:
+        worker, caches = kv_worker("cuda", runtime)
+        hashes = [bytes([30 + v]) * 32 for v in range(3)]
+        sources = [(9, 2), (17, 5), (60, 1)]
+        saved = {n: [c[:, list(b)].clone() for b in sources] for n, c in caches.items()}
+        refs = tuple(ValueRef(h, (0, 1), (b,)) for h, b in zip(hashes, sources, strict=True))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the default stream
+        worker.save(AsyncConnKVMetadata(saves=[SaveSpec("w", refs)]))
+        assert not stream.query(), "wait_for_save waited for the default stream"
+        sent: set[str] = set()
+        deadline = time.monotonic() + 10
+        while "w" not in sent and time.monotonic() < deadline:
+            done, _ = worker.get_finished({"w"} if not sent else set())
+            sent |= done or set()
+            time.sleep(0.001)
+        assert sent == {"w"}
+
+        targets = [(44, 3), (12, 50), (7, 8)]
+        loads = tuple(ValueRef(h, (0, 1), (b,)) for h, b in zip(hashes, targets, strict=True))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)
+        worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("r", loads)]))
+        assert not stream.query(), "start_load_kv waited for the default stream"
+        received: set[str] = set()
+        deadline = time.monotonic() + 10
+        while "r" not in received and time.monotonic() < deadline:
+            torch.cuda.synchronize()  # the copies issued so far have ended: this poll scatters them
+            torch.cuda._sleep(100_000_000)  # ~50 ms
+            _, got = worker.get_finished(set())
+            assert not stream.query(), "a poll that scatters waited for the default stream"
+            received |= got or set()
+        assert received == {"r"}
+        torch.cuda.synchronize()
+        for n, c in caches.items():
+            for v, b in enumerate(targets):
+                assert torch.equal(c[:, list(b)], saved[n][v]), (n, b)
+        worker.shutdown()
+        assert not any(worker.counters().values()), worker.counters()
+    finally:
+        runtime.close()
