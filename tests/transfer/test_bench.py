@@ -68,19 +68,24 @@ def test_bad_arguments_are_usage_errors(bad: list[str], capsys: pytest.CaptureFi
 
 def test_bench_gpu_without_allow_cpu_measures_only_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     small = ["--kv-values", "1", "--kv-layers", "1", "--kv-blocks-per-value", "1", "--ec-rows", "8"]
+    small += ["--scatter-values", "2", "--scatter-layers", "2"]
     assert main(["bench", "gpu", "--json", "--repeat", "2", "--ec-width", "64", *small]) == 0
     out = json.loads(capsys.readouterr().out)
     cuda = torch.cuda.is_available()
     assert out["machine"]["cuda"] is cuda
-    for part in ("kv_load", "kv_save", "ec_install"):
+    for part in ("kv_load", "kv_save", "kv_scatter", "ec_install"):
         assert isinstance(out[part], dict) if cuda else out[part] == "not measured: no CUDA device"
 
 
 def test_bench_gpu_runs_its_code_on_the_cpu_device(capsys: pytest.CaptureFixture[str]) -> None:
     small = ["--kv-values", "2", "--kv-layers", "2", "--kv-blocks-per-value", "2", "--ec-rows", "8"]
+    small += ["--scatter-values", "3,5", "--scatter-layers", "2"]
     where = [] if torch.cuda.is_available() else ["--allow-cpu"]
     assert main(["bench", "gpu", "--json", "--repeat", "2", "--ec-width", "64", *small, *where]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kv_load"]["bytes"] == out["kv_save"]["bytes"] == 2 * 2 * 2 * 2 * 16 * 8 * 128 * 2
     assert out["kv_load"]["worker_vs_raw"] > 0 and out["kv_save"]["snapshot_vs_raw"] > 0
     assert out["ec_install"]["items"] == 2 and out["ec_install"]["host_p50_us"] > 0
+    rows = out["kv_scatter"]["rows"]
+    assert [r["values"] for r in rows] == [3, 5] and out["kv_scatter"]["layers"] == 2
+    assert all(r["per_value_host_us"] > 0 and r["batched_host_us"] > 0 for r in rows)

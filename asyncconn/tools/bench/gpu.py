@@ -9,6 +9,8 @@ is the engines alone; this is the worker sides vLLM drives, with no vLLM needed:
   pinned ``copy_`` of the same bytes (target >= 0.8x). The store fetch (host memory) is not part of it.
 - *kv_save*: the same values saved by :class:`KVWorkerSide`: device time of the save tracker's D2H
   snapshots against a raw pinned ``copy_`` to the host of the same bytes (target >= 0.9x).
+- *kv_scatter*: landed values written into a 32-layer cache one copy per value and layer against one
+  batch per poll (host and device time; see :mod:`asyncconn.tools.bench.gpu_scatter`).
 - *ec_install*: host time of the forward-path call that installs a prefetched ``--ec-rows`` x
   ``--ec-width`` bf16 embedding (7 MiB by default) into ``encoder_cache`` (``ECWorkerSide.start_load_caches``
   with one install), p50/p99 over ``--repeat`` items (target <= 20 us).
@@ -39,6 +41,7 @@ from asyncconn.cli import _args
 from asyncconn.config import Settings
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
+from asyncconn.tools.bench.gpu_scatter import bench_scatter
 from asyncconn.transfer import (
     LOAD_PRIORITY,
     SAVE_PRIORITY,
@@ -55,6 +58,7 @@ __all__ = ["add_arguments", "bench", "run"]
 
 NOT_MEASURED = "not measured: no CUDA device"
 
+
 Mark = float | torch.cuda.Event
 Span = tuple[Mark, Mark]
 
@@ -66,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-step-ms", type=float, default=5.0, help="time between the worker's polls during a load (a step)"
     )
+    parser.add_argument(
+        "--scatter-values",
+        type=_args.count_list,
+        default=[8, 64, 256],
+        help="values per kv_scatter row (comma-separated)",
+    )
+    parser.add_argument("--scatter-layers", type=_args.count, default=32, help="layers in kv_scatter")
     parser.add_argument("--ec-rows", type=_args.count, default=1792, help="rows of the EC embedding")
     parser.add_argument("--ec-width", type=_args.count, default=2048, help="bf16 columns of the EC embedding")
     parser.add_argument("--repeat", type=_args.count, default=20, help="runs per figure (medians reported)")
@@ -369,13 +380,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         out["machine"]["device"] = torch.cuda.get_device_name()
     if not cuda and not args.allow_cpu:
-        out.update({part: NOT_MEASURED for part in ("kv_load", "kv_save", "ec_install")})
+        out.update({part: NOT_MEASURED for part in ("kv_load", "kv_save", "kv_scatter", "ec_install")})
         return out
     if not cuda:
         out["machine"]["note"] = "CPU device (--allow-cpu): a smoke test of the benchmark, not figures"
     runtime = Runtime(name="bench-gpu").start()
     try:
         out.update(_bench_kv(runtime, args, cuda))
+        out.update(bench_scatter(runtime, args, cuda))
         out.update(_bench_ec(runtime, args, cuda))
     finally:
         runtime.close()
