@@ -139,7 +139,10 @@ class StreamLoader:
     """Loads values from a :class:`TensorStore` onto the device without ever blocking the calling thread.
 
     All methods are called from one thread (vLLM's worker), which owns the device state. ``max_inflight``
-    bounds the fetches running on the loop at once; the pool bounds the staging bytes.
+    bounds the fetches running on the loop at once; the pool bounds the staging bytes. ``rows``: on a device
+    that copies asynchronously, the values of one dtype and shape that one ``poll`` copies land as the rows
+    of one device tensor (for a consumer that writes them on together and drops them together, like the KV
+    connector; not for one that keeps some of them long -- a row keeps the whole tensor's memory).
     """
 
     def __init__(
@@ -150,6 +153,7 @@ class StreamLoader:
         device: TransferDevice | None = None,
         pool: PinnedPool | None = None,
         max_inflight: int = 64,
+        rows: bool = False,
     ) -> None:
         if max_inflight <= 0:
             raise TransferError(f"max_inflight must be > 0, got {max_inflight}")
@@ -158,6 +162,7 @@ class StreamLoader:
         self.device = device if device is not None else default_device(priority=LOAD_PRIORITY)
         self.pool = pool if pool is not None else PinnedPool(device=self.device)
         self.max_inflight = max_inflight
+        self.rows = rows and not self.device.synchronous
         self._loads: dict[str, _Load] = {}  # live (not cancelled, not reported) loads by key
         self._queued: collections.deque[_Load] = collections.deque()
         self._fetched: collections.deque[_Load] = collections.deque()  # appended on the loop thread
@@ -236,6 +241,11 @@ class StreamLoader:
             elif lend:
                 assert consume is not None
                 self._lend(load, results, consume)
+            elif self.rows and self._fetched and _copyable(self._fetched[0], like=load):
+                group = [load]
+                while self._fetched and _copyable(self._fetched[0], like=load):
+                    group.append(self._fetched.popleft())
+                self._copy_group(group, results)
             else:
                 self._on_fetched(load, results)
         self._start_queued()
@@ -405,6 +415,35 @@ class StreamLoader:
             self._finish_copy(load, results)  # synchronous device: no need to wait for the next poll
         else:
             self._copying.append(load)
+
+    def _copy_group(self, loads: list[_Load], results: list[LoadResult]) -> None:
+        """Fetched loads of one dtype and shape (a device that copies asynchronously): one device tensor for
+        them all, each load's tensor a row of it, one copy call and one event. Why: a consumer that writes
+        them on together (the KV connector's scatter) then reads one tensor, with no stack of its own -- a
+        device pass and a host call per value fewer -- and the allocator gives one block, not one a value."""
+        first = loads[0].fetched
+        assert first is not None and first.dtype is not None
+        shape = first.shape
+        self.futures_pending -= len(loads)
+        values = []
+        for load in loads:
+            fetched, load.fetched = load.fetched, None
+            assert fetched is not None and fetched.dtype is not None and load.buf is not None
+            values.append(load.buf.view(fetched.dtype, fetched.shape))
+        try:
+            rows = self.device.empty((len(loads), *shape), first.dtype)
+            event = self.device.copy([(rows[i], value) for i, value in enumerate(values)])
+        except RuntimeError as exc:  # torch's device errors (out of memory included) are RuntimeErrors
+            for load in loads:
+                self._release(load)
+                self._fail(load, Failure.DEVICE_ERROR, f"{type(exc).__name__}: {exc}", results)
+            return
+        for i, load in enumerate(loads):
+            load.out = rows[i]
+            load.event = event
+            load.state = _COPYING
+            self._copying.append(load)
+        self.events_out += len(loads)
 
     def _landed_in_place(self, load: _Load, results: list[LoadResult]) -> None:
         fetched, load.fetched = load.fetched, None
@@ -638,6 +677,22 @@ class _Groups:
             return None
         full, self.loads, self.nbytes = self.loads, [], 0
         return full
+
+
+def _copyable(load: _Load, like: _Load | None = None) -> bool:
+    """A fetched load ready for its device copy (not cancelled, not failed), and ``like`` too, of the same
+    dtype and shape."""
+    fetched = load.fetched
+    if load.cancelled or fetched is None or fetched.failure is not None or fetched.dtype is None:
+        return False
+    if isinstance(load.dest, Scattered):
+        return False
+    if like is None:
+        return True
+    if not _copyable(like):
+        return False
+    other = like.fetched
+    return other is not None and other.dtype == fetched.dtype and other.shape == fetched.shape
 
 
 def _even_limit(total: int, most: int) -> int:

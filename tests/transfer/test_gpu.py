@@ -121,3 +121,37 @@ def test_saves_snapshot_after_the_producing_kernel_and_survive_the_free(
         assert back is not None and same_bytes(back, value)
     assert tracker.counters()["buffers_out"] == 0 and tracker.counters()["events_out"] == 0
     tracker.close()
+
+
+def test_a_polls_loads_land_as_rows_of_one_tensor(runtime: Runtime, cuda_store: TensorStore) -> None:
+    """``rows=True``: the loads of one shape that one poll copies share one device tensor, row after row,
+    with the stored bytes, under default-stream work and allocator churn; a load of another shape and a
+    load cancelled while its row is copied are apart; everything is returned."""
+    values = {f"v{i}": torch.randn(512, 1024).half() for i in range(5)}  # 1 MiB each
+    odd = torch.randn(100, 7)
+    runtime.run(cuda_store.put([*values.items(), ("odd", odd)]))
+    device = CudaDevice()
+    loader = StreamLoader(
+        cuda_store, runtime=runtime, device=device, pool=PinnedPool(64 << 20, device=device), rows=True
+    )
+    loader.submit_many([(key, NewTensor((512, 1024), torch.float16)) for key in values])
+    loader.submit("odd", NewTensor((100, 7), torch.float32))
+    assert loader.wait(10)  # all six in staging; none copied yet
+    busy_default_stream()
+    assert loader.poll() == []  # issues the copies: one tensor for the five values of one shape
+    assert loader.cancel("v4")
+    churn_allocator(8 << 20)
+    results = drain_loads(loader, 5)
+    got = {key: r.tensor for key, r in results.items()}
+    assert set(got) == {"v0", "v1", "v2", "v3", "odd"} and all(r.ok for r in results.values())
+    rows = [got[f"v{i}"] for i in range(4)]
+    assert rows[0] is not None
+    base = rows[0].untyped_storage().data_ptr()
+    for i, row in enumerate(rows):
+        assert row is not None and row.untyped_storage().data_ptr() == base  # one tensor, row after row
+        assert row.storage_offset() == rows[0].storage_offset() + i * row.numel()
+        assert same_bytes(row.cpu(), values[f"v{i}"])
+    assert got["odd"] is not None and got["odd"].untyped_storage().data_ptr() != base
+    assert same_bytes(got["odd"].cpu(), odd)
+    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    loader.close()

@@ -329,6 +329,50 @@ def test_submit_many_is_submit_per_value_with_one_staging_buffer(
         tracker.submit_many("r5", ["x", "y"], pieces.part(0, 1))
 
 
+@pytest.mark.parametrize("shape", [(3, 32), (5, 3)], ids=["packed", "padded"])
+def test_submit_stacked_is_submit_per_row_with_one_snapshot(
+    runtime: Runtime, gated: GatedBackend, copy_thread: bool, shape: tuple[int, int]
+) -> None:
+    """Rows of 192 bytes pack into the span with no padding (one copy per run of consecutive rows); rows of
+    30 bytes are padded to 64 (one copy per row). Either way: the rows' bytes under their keys, duplicates
+    skipped, one staging span for the call, and the stack may be rewritten as soon as the call returns."""
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime)
+    stacked = torch.randn(6, *shape).to(torch.float16)
+    original = stacked.clone()
+    assert tracker.submit("r0", "e", torch.zeros(1))  # in flight: its row is a duplicate
+    items = [("r1", "a"), ("r1", "b"), ("r1", "a"), ("r2", "c"), ("r2", "e"), ("r2", "d")]
+    assert tracker.submit_stacked(items, stacked) == [0, 1, 3, 5]
+    assert tracker.submit_stacked([], stacked[:0]) == []
+    assert tracker.skipped == 2 and tracker.pending("r1") == 2 and tracker.pending("r2") == 2
+    if not copy_thread:  # the path taken: one span for the four rows (and one buffer for "e")
+        assert tracker.pool.allocations == 2
+        stacked.zero_()  # snapshotted inside the call (synchronous device)
+    runtime.call_soon(gated.gate.set)
+    assert drain_saves(tracker, {"r0", "r1", "r2"}) == {"r0", "r1", "r2"}
+    for key, row in (("a", 0), ("b", 1), ("c", 3), ("d", 5)):
+        back = stored(runtime, store, key)
+        assert back is not None and torch.equal(back, original[row]), key
+    assert tracker.submit_stacked([("r3", "b")], original[:1]) == []  # saved recently
+    assert tracker.poll_finished() == {"r3"}
+    assert_idle(tracker)
+    with pytest.raises(TransferError, match="1 items for 2 values"):
+        tracker.submit_stacked([("r4", "x")], original[:2])
+
+
+def test_submit_stacked_goes_one_by_one_when_the_pool_cannot_give_the_span(
+    runtime: Runtime, store: TensorStore
+) -> None:
+    tracker = make_tracker(store, runtime, capacity=4096)  # one row fits, the span of three does not
+    stacked = torch.randn(3, 1000)
+    assert tracker.submit_stacked([("r", "x"), ("r", "y"), ("r", "z")], stacked) == [0, 1, 2]
+    assert drain_saves(tracker, {"r"}) == {"r"}
+    for key, row in (("x", 0), ("y", 1), ("z", 2)):
+        back = stored(runtime, store, key)
+        assert back is not None and torch.equal(back, stacked[row])
+    assert_idle(tracker)
+
+
 def test_submit_many_takes_plain_tensors_too(runtime: Runtime, store: TensorStore) -> None:
     tracker = make_tracker(store, runtime)
     values = [torch.full((3,), 1.0), torch.full((5,), 2.0, dtype=torch.float16)]

@@ -67,7 +67,7 @@ def kv_worker(
     worker = KVWorkerSide(
         KeySpace(identity),
         store=store,
-        loader=StreamLoader(store, runtime=runtime, device=load_device, pool=pool),
+        loader=StreamLoader(store, runtime=runtime, device=load_device, pool=pool, rows=True),
         saver=SaveTracker(store, runtime=runtime, device=save_device, pool=pool, copy_thread=copy_thread),
         runtime=runtime,
         layers=layers,

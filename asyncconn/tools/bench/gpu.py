@@ -227,7 +227,7 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
     worker = Worker(
         KeySpace(identity),
         store=store,
-        loader=StreamLoader(store, runtime=runtime, device=load_device, pool=pool),
+        loader=StreamLoader(store, runtime=runtime, device=load_device, pool=pool, rows=True),
         saver=SaveTracker(store, runtime=runtime, device=save_device, pool=pool, copy_thread=False),
         runtime=runtime,
         layers=layers,

@@ -153,8 +153,13 @@ class AsyncConnKVConnector(
             ) from None
         load_device, save_device = engine_devices()  # a side stream each: loads never queue behind saves
         pool = PinnedPool(settings.pinned_pool_bytes, device=load_device)
-        loader = StreamLoader(
-            store, runtime=runtime, device=load_device, pool=pool, max_inflight=settings.max_inflight_loads
+        loader = StreamLoader(  # rows: a poll's values scattered together from one tensor (CUDA)
+            store,
+            runtime=runtime,
+            device=load_device,
+            pool=pool,
+            max_inflight=settings.max_inflight_loads,
+            rows=True,
         )
         saver = SaveTracker(
             store, runtime=runtime, device=save_device, pool=pool, skip_existing=settings.save_skip_existing

@@ -390,7 +390,7 @@ class KVWorkerSide:
         assert self.layout is not None
         dim, bpv = self.layout.block_dim, self.keys.blocks_per_value
         device = whole[0][0].device
-        stacked = torch.stack([value for value, _ in whole])  # [values, layers, *layer_shape]
+        stacked = _rows_of_one([value for value, _ in whole])  # [values, layers, *layer_shape]
         ids = [
             _index([b for _, ref in whole for b in ref.block_ids[g]], device).view(len(whole), bpv)
             for g in range(len(whole[0][1].block_ids))
@@ -494,28 +494,28 @@ class KVWorkerSide:
         return saved, start
 
     def _submit_gathered(self, specs: Sequence[SaveSpec]) -> tuple[int, int]:
-        """Synchronous snapshots (CUDA; CPU without a copy thread): gathered here, one submit per value."""
+        """Synchronous snapshots (CUDA; CPU without a copy thread): gathered here, value-major, and handed to
+        the tracker as one stack: one staging span and one snapshot copy for the step."""
         refs = [(spec.request_id, ref) for spec in specs for ref in spec.values]
         if not refs:
             return 0, 0
-        values = self._gather(refs)
+        stacked = self._gather(refs)
         keys = self.keys.store_keys([ref.value_hash for _, ref in refs], self.rank)
+        items = [(rid, key) for (rid, _), key in zip(refs, keys, strict=True)]
+        accepted = self.saver.submit_stacked(items, stacked)
+        self._had_saves.update(rid for rid, _ in refs)
         now = time.monotonic()
-        saved = 0
-        for (rid, _), key, value in zip(refs, keys, values, strict=True):
-            self._had_saves.add(rid)
-            if self.saver.submit(rid, key, value):
-                self._save_t0.setdefault(rid, now)
-                saved += 1
-        return saved, len(refs)
+        for row in accepted:
+            self._save_t0.setdefault(items[row][0], now)
+        return len(accepted), len(refs)
 
     def _block_ids(self, refs: list[tuple[str, ValueRef]]) -> list[list[int]]:
         """The step's block ids per KV cache group, value after value."""
         return [[b for _, ref in refs for b in ref.block_ids[g]] for g in range(len(refs[0][1].block_ids))]
 
-    def _gather(self, refs: list[tuple[str, ValueRef]]) -> list[torch.Tensor]:
-        """The step's values, each one contiguous: gathered value-major, so a value's snapshot is one plain
-        copy (on CUDA a strided source would first be made contiguous on the save stream, a pass more)."""
+    def _gather(self, refs: list[tuple[str, ValueRef]]) -> torch.Tensor:
+        """``[values, layers, *layer_shape]``: the step's values gathered value-major, so each value is
+        contiguous and the whole step is one snapshot copy."""
         assert self.layout is not None
         dim, bpv = self.layout.block_dim, self.keys.blocks_per_value
         device = self._layer_caches[0][0].device
@@ -525,7 +525,7 @@ class KVWorkerSide:
             picked = cache.index_select(dim, ids[group])  # [..., values * bpv, ...]
             split = (*picked.shape[:dim], len(refs), bpv, *picked.shape[dim + 1 :])
             per_layer.append(picked.view(split).movedim(dim, 0))
-        return list(torch.stack(per_layer, dim=1).unbind(0))  # [values, layers, *layer_shape]
+        return torch.stack(per_layer, dim=1)
 
     def handle_preemptions(self, meta: AsyncConnKVMetadata) -> None:
         """The preempted requests' blocks are reused by this step: wait until no save still reads them.
@@ -666,6 +666,23 @@ class KVWorkerSide:
                 concurrent.futures.TimeoutError,
             ) as exc:  # never raise into vLLM's teardown
                 log.warning("KV connector: closing the store failed: %s", exc)
+
+
+def _rows_of_one(values: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(values)``, without the copy when the values are already the consecutive rows of one
+    tensor (the loader lands the values a poll hands over so, on CUDA)."""
+    first = values[0]
+    size, offset = first.numel(), first.storage_offset()
+    base = first.untyped_storage().data_ptr()
+    if first.is_contiguous() and all(
+        v.is_contiguous()
+        and v.shape == first.shape
+        and v.untyped_storage().data_ptr() == base
+        and v.storage_offset() == offset + i * size
+        for i, v in enumerate(values)
+    ):
+        return first.as_strided((len(values), *first.shape), (size, *first.stride()), offset)
+    return torch.stack(values)
 
 
 def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:

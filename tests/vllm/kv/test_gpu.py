@@ -58,7 +58,8 @@ def test_a_batch_scatters_as_one_scatter_per_value_would() -> None:
         worker, caches = kv_worker("cpu", runtime)
         before = {n: c.clone() for n, c in caches.items()}
         shape = worker._value_shape()
-        values = [torch.randn(shape).half() for _ in range(4)]
+        rows = torch.randn(5, *shape).half()
+        values = [rows[1], rows[4], rows[2], rows[3]]  # two runs of one tensor's rows, and not in order
         refs = [
             ValueRef(b"a" * 32, (0, 1), ((9, 3),)),
             ValueRef(b"b" * 32, (1,), ((40,),)),
@@ -68,6 +69,22 @@ def test_a_batch_scatters_as_one_scatter_per_value_would() -> None:
         worker._batch = list(zip(values, refs, strict=True))
         worker._scatter_batch()
         batched = {n: c.clone() for n, c in caches.items()}
+        for n, c in caches.items():  # the values as consecutive rows of one tensor, as the loader lands them
+            c.copy_(before[n])
+        from asyncconn.vllm.kv.worker import _rows_of_one
+
+        run = _rows_of_one([rows[1], rows[2], rows[3]])  # consecutive rows: the tensor itself, no copy
+        assert run.data_ptr() == rows[1].data_ptr() and torch.equal(run, rows[1:4])
+        apart = _rows_of_one([rows[1], rows[3]])
+        assert apart.data_ptr() != rows[1].data_ptr() and torch.equal(apart, torch.stack([rows[1], rows[3]]))
+        worker._batch = [
+            (rows[i], ref) for i, ref in zip((1, 2, 3), (refs[0], refs[2], refs[3]), strict=True)
+        ]
+        worker._scatter_batch()
+        for value, ref in ((rows[1], refs[0]), (rows[2], refs[2]), (rows[3], refs[3])):
+            for index, (cache, _) in enumerate(worker._layer_caches):
+                got = cache.index_select(1, torch.tensor(ref.block_ids[0]))
+                assert torch.equal(got, value[index]), ref
         for n, c in caches.items():
             c.copy_(before[n])
         for value, ref in zip(values, refs, strict=True):
