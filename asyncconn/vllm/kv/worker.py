@@ -447,7 +447,8 @@ class KVWorkerSide:
         thread only hands each request's values over as one :class:`Pieces` range named by value hash
         (``submit_many``: a tight duplicate check; store keys, save objects and copies on the copy thread,
         one staging buffer for the step); on CUDA it is gathered here on the current stream (kernel
-        launches) and snapshotted by a D2H on the tracker's side stream. Nothing here waits for the store.
+        launches), value-major, and snapshotted by one D2H on the tracker's side stream into one staging
+        span (``submit_stacked``). Nothing here waits for the store or for the GPU.
         Bookkeeping is per request, not per value.
         """
         specs = meta.saves

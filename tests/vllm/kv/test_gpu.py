@@ -32,7 +32,7 @@ def test_blocks_round_trip_through_the_store(where: str) -> None:
 
 
 def test_blocks_round_trip_through_synchronous_snapshots() -> None:
-    """CUDA's save flow (values gathered on vLLM's thread, one snapshot each) on CPU tensors."""
+    """CUDA's save flow (the step gathered on vLLM's thread, one snapshot of the stack) on CPU tensors."""
     kv_round_trip("cpu", copy_thread=False)
 
 
