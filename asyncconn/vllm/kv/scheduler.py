@@ -63,6 +63,7 @@ class KVSchedulerSide:
         self.sync_lookup = sync_lookup
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}  # request id -> values present, answered and not yet allocated
+        self._local: dict[str, int] = {}  # request id -> values in vLLM's own prefix cache, until allocated
         self._loads: list[LoadSpec] = []  # planned since the last build_connector_meta
         self._via_recv: set[str] = set()  # finished while loading, since the last build_connector_meta
         self._stats = AsyncConnKVStats()
@@ -72,12 +73,17 @@ class KVSchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """``(None, False)`` while the lookup is in flight; then ``(tokens to load, True)`` or ``(0, False)``.
 
-        Never waits (unless ``sync_lookup``): an outstanding lookup is only polled.
+        Never waits (unless ``sync_lookup``): an outstanding lookup is only polled. The values vLLM's own
+        prefix cache covers are remembered as stored: they were saved by the engine that computed them or
+        loaded from the store, so saving them again (every turn of a conversation re-saving all the turns
+        before it) would only cost a gather and a copy that the store then refuses as existing.
         """
-        if self.lookup is None:
-            return 0, False
         rid = request.request_id
         tpv = self.keys.tokens_per_value
+        if num_computed_tokens >= tpv:
+            self._local[rid] = num_computed_tokens // tpv
+        if self.lookup is None:
+            return 0, False
         hashes = self.keys.value_hashes(request.block_hashes)
         # vLLM must compute at least the last prompt token itself, so a hit never covers it.
         usable = min(len(hashes), max(request.num_tokens - 1, 0) // tpv)
@@ -120,6 +126,9 @@ class KVSchedulerSide:
         hit = self._hits.pop(rid, None)
         if hit is not None:
             state.stored_values = max(state.stored_values, hit)
+        local = self._local.pop(rid, None)
+        if local is not None:
+            state.stored_values = max(state.stored_values, local)
         if num_external_tokens <= 0 or hit is None:
             return
         block_size = self.keys.identity.block_size
@@ -249,6 +258,7 @@ class KVSchedulerSide:
     def _forget(self, rid: str) -> None:
         self._reqs.pop(rid, None)
         self._hits.pop(rid, None)
+        self._local.pop(rid, None)
         if self.lookup is not None:
             self.lookup.discard(rid)
 
@@ -273,6 +283,7 @@ class KVSchedulerSide:
         out = {
             "requests": len(self._reqs),
             "hits": len(self._hits),
+            "local_hits": len(self._local),
             "planned_loads": len(self._loads),
             "finished_via_recv": len(self._via_recv),
         }
@@ -283,6 +294,7 @@ class KVSchedulerSide:
     def shutdown(self) -> None:
         self._reqs.clear()
         self._hits.clear()
+        self._local.clear()
         self._loads.clear()
         self._via_recv.clear()
         if self.lookup is not None:

@@ -192,3 +192,34 @@ def test_stats_is_none_and_allocates_nothing_on_a_quiet_step(h: Harness) -> None
     assert h.side.stats() is None
     assert h.side._stats is kept  # the fast path kept the (empty) accumulator: nothing allocated
     h.side.request_finished(request)
+
+
+def _scheduled_new(rid: str, block_ids: list[int], computed: int, scheduled: int) -> Any:
+    out = _output()
+    out.scheduled_new_reqs = [
+        SimpleNamespace(req_id=rid, block_ids=(block_ids,), num_computed_tokens=computed)
+    ]
+    out.num_scheduled_tokens = {rid: scheduled}
+    out.total_num_scheduled_tokens = scheduled
+    return out
+
+
+@pytest.mark.parametrize("local", [0, 48, 96])
+def test_values_in_the_local_prefix_cache_are_not_saved_again(h: Harness, local: int) -> None:
+    """A prompt whose first ``local`` tokens vLLM's own prefix cache holds (saved when this engine computed
+    them, or loaded from the store): only the values after them are saved -- a conversation's next turn
+    does not save every turn before it again. The store has none of them (the lookup answers 0)."""
+    request = _request("t", 100)  # 6 full one-block values of 16 tokens
+    answer = h.side.get_num_new_matched_tokens(request, local)
+    if local < 96:  # the store could add something: asked, and it has nothing
+        assert answer == (None, False)
+        h.answer_all(0)
+        assert h.side.get_num_new_matched_tokens(request, local) == (0, False)
+    else:
+        assert answer == (0, False)  # the local cache covers all that could be loaded: nothing asked
+    h.side.update_state_after_alloc(request, _blocks(list(range(10, 17))), 0)
+    meta = h.side.build_connector_meta(_scheduled_new("t", list(range(10, 17)), local, 100 - local))
+    saved = [ref.value_hash for spec in meta.saves for ref in spec.values]
+    assert saved == HASHES[local // 16 : 6]
+    assert h.side.request_finished(request) == (local < 96, None)  # holds its blocks only for saves
+    assert not any(h.side.counters().values()), h.side.counters()
