@@ -82,3 +82,10 @@ def test_a_fresh_engine_loads_the_shared_prefixes_byte_for_byte(
         assert loader.loaded_in_place > 0
     else:
         assert loader.loaded_in_place == 0
+    # Run again, every prompt is in vLLM's own prefix cache (loaded from the store, or computed and saved by
+    # this engine): nothing is saved again, not even as far as the store's "exists" check.
+    saver = probe.kv_worker_connector().worker_side.saver
+    before = (saver.saved, saver.skipped, saver.skipped_existing)
+    assert generate(probe.llm, PROMPTS) == kv_reference["tokens"]
+    assert_idle(probe)
+    assert (saver.saved, saver.skipped, saver.skipped_existing) == before

@@ -79,6 +79,17 @@ def kv_worker(
     return worker, caches
 
 
+def saves_reported(worker: KVWorkerSide, rid: str) -> None:
+    """Poll ``get_finished`` (telling the worker ``rid`` is finished) until it reports ``rid``'s saves."""
+    sent: set[str] = set()
+    deadline = time.monotonic() + HANG_GUARD
+    while rid not in sent and time.monotonic() < deadline:
+        done, _ = worker.get_finished({rid} if not sent else set())
+        sent |= done or set()
+        time.sleep(0.001)
+    assert sent == {rid}, "the saves were not reported"
+
+
 def kv_round_trip(where: str, *, copy_thread: bool | None = None) -> None:
     """KV values saved from blocks 4..7 of a ``[2, num_blocks, ...]`` cache, the blocks rewritten at once
     (preemption), then loaded back into blocks 40..43 while the default stream computes: equal bytes."""
@@ -96,13 +107,7 @@ def kv_round_trip(where: str, *, copy_thread: bool | None = None) -> None:
         worker.handle_preemptions(AsyncConnKVMetadata(preempted=frozenset({"r1"})))
         for n in layers:  # the blocks are reused right away: the snapshot must not see this
             caches[n][:, 4:8].zero_()
-        sent: set[str] = set()
-        deadline = time.monotonic() + HANG_GUARD
-        while "r1" not in sent and time.monotonic() < deadline:
-            done, _ = worker.get_finished({"r1"} if not sent else set())
-            sent |= done or set()
-            time.sleep(0.001)
-        assert sent == {"r1"}, "the saves were not reported"
+        saves_reported(worker, "r1")
 
         side = 2048 if where == "cuda" else 64
         a = torch.randn(side, side, device=where)
@@ -147,13 +152,7 @@ def kv_one_polls_loads(where: str) -> list[int]:
         saved = {n: c[:, 0:12].clone() for n, c in caches.items()}
         refs = tuple(ValueRef(hashes[v], (0, 1), ((2 * v, 2 * v + 1),)) for v in range(6))
         worker.save(AsyncConnKVMetadata(saves=[SaveSpec("w", refs)]))
-        sent: set[str] = set()
-        deadline = time.monotonic() + HANG_GUARD
-        while "w" not in sent and time.monotonic() < deadline:
-            done, _ = worker.get_finished({"w"} if not sent else set())
-            sent |= done or set()
-            time.sleep(0.001)
-        assert sent == {"w"}, "the saves were not reported"
+        saves_reported(worker, "w")
 
         # (request, value, its block positions, the blocks they go to)
         plan = [

@@ -20,7 +20,7 @@ start event (``spin``) so that a span is the work's device time, not the host's 
 host's side is reported beside it: ``scatter_host_us`` (vLLM's thread writing a load's values into the
 cache, per load) and ``wait_for_save_host_*`` (``KVWorkerSide.save``, what ``wait_for_save`` runs; it
 includes the timing events' own launches). Loads are collected the way vLLM drives them, once per
-``--kv-step-ms``. Without CUDA nothing is measured
+``--kv-step``. Without CUDA nothing is measured
 (each part says so), unless ``--allow-cpu`` runs the same code on the CPU device with wall-clock spans: a
 check that the benchmark runs, not a figure.
 """
@@ -68,7 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-layers", type=_args.count, default=8, help="layers per KV value")
     parser.add_argument("--kv-blocks-per-value", type=_args.count, default=16, help="blocks per KV value")
     parser.add_argument(
-        "--kv-step-ms", type=float, default=5.0, help="time between the worker's polls during a load (a step)"
+        "--kv-step",
+        type=_args.positive_duration,
+        default=0.005,
+        help="time between the worker's polls during a load, one engine step (default 5ms)",
     )
     parser.add_argument(
         "--scatter-values",
@@ -277,7 +280,7 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
             # vLLM polls once per step: the values in staging by then go to the device together, and those
             # whose copies have ended by the next step are scattered together.
             worker.loader.wait(60)
-            _poll(loaded, "KV loads", interval=args.kv_step_ms / 1e3)
+            _poll(loaded, "KV loads", interval=args.kv_step)
             if worker.get_block_ids_with_load_errors():
                 raise RuntimeError("benchmark: a KV load failed")
             _sync(cuda)

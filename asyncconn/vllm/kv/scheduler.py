@@ -75,8 +75,9 @@ class KVSchedulerSide:
 
         Never waits (unless ``sync_lookup``): an outstanding lookup is only polled. The values vLLM's own
         prefix cache covers are remembered as stored: they were saved by the engine that computed them or
-        loaded from the store, so saving them again (every turn of a conversation re-saving all the turns
-        before it) would only cost a gather and a copy that the store then refuses as existing.
+        loaded from the store. Without this, a prompt the local cache covers entirely (nothing to ask the
+        store) and every turn of a conversation on a producer (which never asks) would save them again: a
+        gather and a copy of every such value, which the store then refuses as existing.
         """
         rid = request.request_id
         tpv = self.keys.tokens_per_value

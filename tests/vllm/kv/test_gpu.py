@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.transfer.worker_sides import kv_one_polls_loads, kv_round_trip, kv_worker
+from tests.transfer.worker_sides import kv_one_polls_loads, kv_round_trip, kv_worker, saves_reported
 
 DEVICES = [
     "cpu",
@@ -119,13 +119,7 @@ def test_saves_and_loads_never_wait_for_the_default_stream() -> None:
         torch.cuda._sleep(200_000_000)  # ~0.1 s of the default stream
         worker.save(AsyncConnKVMetadata(saves=[SaveSpec("w", refs)]))
         assert not stream.query(), "wait_for_save waited for the default stream"
-        sent: set[str] = set()
-        deadline = time.monotonic() + 10
-        while "w" not in sent and time.monotonic() < deadline:
-            done, _ = worker.get_finished({"w"} if not sent else set())
-            sent |= done or set()
-            time.sleep(0.001)
-        assert sent == {"w"}
+        saves_reported(worker, "w")
 
         targets = [(44, 3), (12, 50), (7, 8)]
         loads = tuple(ValueRef(h, (0, 1), (b,)) for h, b in zip(hashes, targets, strict=True))

@@ -207,8 +207,8 @@ def _scheduled_new(rid: str, block_ids: list[int], computed: int, scheduled: int
 @pytest.mark.parametrize("local", [0, 48, 96])
 def test_values_in_the_local_prefix_cache_are_not_saved_again(h: Harness, local: int) -> None:
     """A prompt whose first ``local`` tokens vLLM's own prefix cache holds (saved when this engine computed
-    them, or loaded from the store): only the values after them are saved -- a conversation's next turn
-    does not save every turn before it again. The store has none of them (the lookup answers 0)."""
+    them, or loaded from the store): only the values after them are saved -- a prompt run again saves
+    nothing again. The store has none of them (the lookup answers 0)."""
     request = _request("t", 100)  # 6 full one-block values of 16 tokens
     answer = h.side.get_num_new_matched_tokens(request, local)
     if local < 96:  # the store could add something: asked, and it has nothing
