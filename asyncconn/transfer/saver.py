@@ -190,17 +190,8 @@ class SaveTracker:
         """
         if self._closed:
             raise TransferError("SaveTracker is closed")
-        request = self._requests.get(request_id)
-        if request is None:
-            request = self._requests[request_id] = _Request()
-        if key in self._inflight_keys or key in self._recent:
-            self.skipped += 1
-            if request.pending == 0:
-                self._finished.add(request_id)
+        if not self._admit(request_id, key):
             return False
-        self._finished.discard(request_id)
-        request.pending += 1
-        self._inflight_keys.add(key)
         if self._thread is None:
             if not isinstance(tensor, torch.Tensor):
                 tensor = tensor()
@@ -305,19 +296,9 @@ class SaveTracker:
         span = Span(buf, len(taken))
         producer = self.device.mark()
         saves: list[Save] = []
-        chosen = set(taken)
         for i, (rid, key) in enumerate(items):
-            request = self._requests.get(rid)
-            if request is None:
-                request = self._requests[rid] = _Request()
-            if i not in chosen:
-                self.skipped += 1
-                if request.pending == 0:
-                    self._finished.add(rid)
+            if not self._admit(rid, key):  # the same rows as ``taken``: the same test, in the same order
                 continue
-            self._finished.discard(rid)
-            request.pending += 1
-            self._inflight_keys.add(key)
             save = Save(rid, key, stacked[i], None)
             save.source = None
             save.span, save.offset = span, len(saves) * stride
@@ -336,6 +317,22 @@ class SaveTracker:
         self.events_out += len(saves)
         self._copying.extend(saves)
         return taken
+
+    def _admit(self, request_id: str, key: str) -> bool:
+        """Count a save of ``key`` against its request, or skip it as a duplicate (saved recently or being
+        saved now; a request with nothing pending is then finished)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            request = self._requests[request_id] = _Request()
+        if key in self._inflight_keys or key in self._recent:
+            self.skipped += 1
+            if request.pending == 0:
+                self._finished.add(request_id)
+            return False
+        self._finished.discard(request_id)
+        request.pending += 1
+        self._inflight_keys.add(key)
+        return True
 
     def flush(self) -> None:
         """Hand the step's saves on; the adapter's ``wait_for_save`` calls this.
