@@ -241,7 +241,7 @@ class StreamLoader:
             elif lend:
                 assert consume is not None
                 self._lend(load, results, consume)
-            elif self.rows and self._fetched and _copyable(self._fetched[0], like=load):
+            elif self.rows and _copyable(load) and self._fetched and _copyable(self._fetched[0], like=load):
                 group = [load]
                 while self._fetched and _copyable(self._fetched[0], like=load):
                     group.append(self._fetched.popleft())
@@ -680,19 +680,15 @@ class _Groups:
 
 
 def _copyable(load: _Load, like: _Load | None = None) -> bool:
-    """A fetched load ready for its device copy (not cancelled, not failed), and ``like`` too, of the same
-    dtype and shape."""
+    """A fetched load ready for its device copy (not cancelled, not failed), of the dtype and shape of
+    ``like`` (itself copyable) when given."""
     fetched = load.fetched
     if load.cancelled or fetched is None or fetched.failure is not None or fetched.dtype is None:
         return False
     if isinstance(load.dest, Scattered):
         return False
-    if like is None:
-        return True
-    if not _copyable(like):
-        return False
-    other = like.fetched
-    return other is not None and other.dtype == fetched.dtype and other.shape == fetched.shape
+    other = like.fetched if like is not None else None
+    return other is None or (other.dtype == fetched.dtype and other.shape == fetched.shape)
 
 
 def _even_limit(total: int, most: int) -> int:
