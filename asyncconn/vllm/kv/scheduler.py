@@ -83,6 +83,8 @@ class KVSchedulerSide:
         tpv = self.keys.tokens_per_value
         if num_computed_tokens >= tpv:
             self._local[rid] = num_computed_tokens // tpv
+        else:  # the latest call counts: the local hit may have been evicted since an earlier one
+            self._local.pop(rid, None)
         if self.lookup is None:
             return 0, False
         hashes = self.keys.value_hashes(request.block_hashes)

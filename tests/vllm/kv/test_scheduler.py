@@ -223,3 +223,17 @@ def test_values_in_the_local_prefix_cache_are_not_saved_again(h: Harness, local:
     assert saved == HASHES[local // 16 : 6]
     assert h.side.request_finished(request) == (local < 96, None)  # holds its blocks only for saves
     assert not any(h.side.counters().values()), h.side.counters()
+
+
+def test_a_local_hit_evicted_before_allocation_is_saved_after_all(h: Harness) -> None:
+    """vLLM's cache held 48 tokens when the request was first seen, none when it was finally admitted (the
+    blocks were evicted meanwhile): the latest answer counts, so every value is saved."""
+    request = _request("e", 100)
+    assert h.side.get_num_new_matched_tokens(request, 48) == (None, False)
+    h.answer_all(0)
+    assert h.side.get_num_new_matched_tokens(request, 0) == (0, False)
+    h.side.update_state_after_alloc(request, _blocks(list(range(10, 17))), 0)
+    meta = h.side.build_connector_meta(_scheduled_new("e", list(range(10, 17)), 0, 100))
+    assert [ref.value_hash for spec in meta.saves for ref in spec.values] == HASHES[:6]
+    h.side.request_finished(request)
+    assert not any(h.side.counters().values()), h.side.counters()
