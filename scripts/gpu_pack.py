@@ -28,7 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # Only what the GPU run needs: these modules import without vLLM, mooncake or a redis-server.
-TEST_PATHS = ["tests/transfer", "tests/vllm/kv/test_gpu.py"]
+TEST_PATHS = ["tests/transfer", "tests/vllm/kv/test_gpu.py", "tests/vllm/ec/test_units.py"]
 NOT_MEASURED = "not measured"
 
 # (name, target text, where the value is in the figures, how it is checked)
