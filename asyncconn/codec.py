@@ -422,7 +422,7 @@ class FrameVerifier:
         self._max_payload = max_payload
         self._head = bytearray()
         self._header: FrameHeader | None = None
-        self._hash = xxhash.xxh3_64()
+        self._hash: xxhash.xxh3_64 | None = None  # made with the frame's seed once the header is in
         self._seen = 0
 
     def _header_len(self) -> int:
@@ -447,6 +447,7 @@ class FrameVerifier:
             self._hash = xxhash.xxh3_64(seed=_seed(header.flags, self._key))
             self._hash.update(memoryview(self._head)[:-8])
         if piece.nbytes:
+            assert self._hash is not None
             self._hash.update(piece)
             self._seen += piece.nbytes
 
@@ -468,6 +469,7 @@ class FrameVerifier:
             raise FrameMismatch(
                 f"frame holds {header.dtype}{list(header.shape)}, destination is {out.dtype}{list(out.shape)}"
             )
+        assert self._hash is not None
         if self._hash.intdigest() != header.checksum:
             raise FrameCorrupt(_MISMATCH)
         return header

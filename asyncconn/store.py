@@ -357,11 +357,12 @@ class _DirectRead:
         self.key = key
         if isinstance(out, Scattered):
             self.dtype, self.shape = out.dtype, out.shape
-            self.payload = list(out.views)
+            self.payload: Sequence[memoryview] = out.views
+            self.nbytes = out.nbytes
         else:
             self.dtype, self.shape = out.dtype, tuple(out.shape)
-            self.payload = [codec.tensor_bytes(out)]
-        self.nbytes = sum(v.nbytes for v in self.payload)
+            self.payload = (codec.tensor_bytes(out),)
+            self.nbytes = self.payload[0].nbytes
         self.header = bytearray(codec.header_size(len(self.shape)))
         self.verifier = codec.FrameVerifier(out, max_payload=max_payload, key=key)
         self.error: CodecError | None = None

@@ -99,18 +99,14 @@ def _pread_exact(fd: int, views: list[memoryview], offset: int, flags: int = 0) 
 
     With ``flags=RWF_NOWAIT`` a read that would wait for the disk raises BlockingIOError instead.
     """
+    total = sum(v.nbytes for v in views)
     done = 0
-    views = [v for v in views if v.nbytes]
-    while views:
-        n = os.preadv(fd, views, offset + done, flags) if flags else os.preadv(fd, views, offset + done)
+    while done < total:  # once, for a page-cached read
+        rest = _slice_views(views, done, total) if done else views
+        n = os.preadv(fd, rest, offset + done, flags) if flags else os.preadv(fd, rest, offset + done)
         if n == 0:
             break
         done += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
     return done
 
 
@@ -401,7 +397,9 @@ class FileBackend(StorageBackend):
         The calling thread reads the first range itself. With ``flags=RWF_NOWAIT`` every range either comes
         from the page cache or raises BlockingIOError (after all helpers have stopped).
         """
-        ranges = _split_ranges(size, self.read_threads if size >= _PARALLEL_MIN else 1)
+        if size < _PARALLEL_MIN or self.read_threads <= 1:
+            return _pread_exact(fd, views, 0, flags)
+        ranges = _split_ranges(size, self.read_threads)
         helpers = [
             self._aux.submit(_pread_exact, fd, _slice_views(views, a, b), a, flags) for a, b in ranges[1:]
         ]

@@ -327,3 +327,34 @@ def _fs_type(path: Path) -> str:
             if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
                 best, kind = point, fields[2]
     return kind
+
+
+@pytest.mark.parametrize("step", [1, 5, 4096])
+def test_a_read_that_comes_back_short_is_continued_into_the_right_places(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: int
+) -> None:
+    """preadv may return fewer bytes than asked (a signal, a filesystem's own limit): the rest must land
+    where it belongs across the pieces, not be dropped or shifted."""
+    import asyncconn_backends.file as file_backend
+
+    data = bytes(range(256)) * 40
+    path = tmp_path / "value"
+    path.write_bytes(data)
+    real = os.preadv
+
+    def short(fd: int, views: list[memoryview], offset: int, *flags: int) -> int:
+        first = views[0][: min(step, views[0].nbytes)]
+        return real(fd, [first], offset, *flags)
+
+    monkeypatch.setattr(file_backend.os, "preadv", short)
+    pieces = [bytearray(n) for n in (7, 0, 1000, 3, len(data) - 1010)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = file_backend._pread_exact(fd, [memoryview(p) for p in pieces], 0)
+        assert got == len(data)
+        assert b"".join(pieces) == data
+        longer = [bytearray(len(data) + 9)]  # the file ends first: the bytes there are, then stop
+        assert file_backend._pread_exact(fd, [memoryview(b) for b in longer], 0) == len(data)
+        assert bytes(longer[0][: len(data)]) == data
+    finally:
+        os.close(fd)

@@ -22,7 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--what", default="ttft,decode,ec", help=f"comma-separated, of {', '.join(_WHAT)}")
     parser.add_argument("--tokens", type=_args.count, default=4096, help="ttft: prompt length (default 4096)")
     parser.add_argument("--prompts", type=_args.count, default=3, help="ttft: prompts timed per config")
-    parser.add_argument("--rounds", type=_args.count, default=3, help="decode, ec: alternating rounds")
+    parser.add_argument(
+        "--rounds",
+        type=_args.count,
+        default=3,
+        help="decode, ec: alternating rounds; ttft: passes over the prompts (later ones after vLLM's "
+        "reset_prefix_cache)",
+    )
     parser.add_argument(
         "--decode-model", default="text", choices=("text", "text-100m"), help="decode: model (default text)"
     )
@@ -46,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     summaries: list[dict[str, Any]] = []
     for item in what:
         if item == "ttft":
-            summaries.append(engine_runs.ttft_bench(tokens=args.tokens, prompts=args.prompts))
+            summaries.append(
+                engine_runs.ttft_bench(tokens=args.tokens, prompts=args.prompts, rounds=args.rounds)
+            )
         elif item == "decode":
             summaries.append(
                 engine_runs.decode_bench(

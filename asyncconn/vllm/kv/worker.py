@@ -249,19 +249,21 @@ class KVWorkerSide:
         assert self.layout is not None and self._staged is not None
         per_block = self._block_bytes
         blocks = self.layout.layer_shape[self.layout.block_dim]
-        views: list[memoryview] = []
-        for (_, group), flat in zip(self._layer_caches, self._cache_bytes, strict=True):
-            ids = ref.block_ids[group]
-            for o in range(self._outer):
-                base = o * blocks
-                i = 0
-                while i < len(ids):
-                    j = i + 1
-                    while j < len(ids) and ids[j] == ids[j - 1] + 1:
-                        j += 1
-                    start = (base + ids[i]) * per_block
-                    views.append(flat[start : start + (j - i) * per_block])
-                    i = j
+        # Byte ranges of one layer, the same in every layer of a group: runs of consecutive ids, per outer
+        # index (computed once per group, not once per layer: this runs on vLLM's thread for every value).
+        ranges = [
+            [
+                ((o * blocks + first) * per_block, (o * blocks + first + count) * per_block)
+                for o in range(self._outer)
+                for first, count in _runs(ids)
+            ]
+            for ids in ref.block_ids
+        ]
+        views = [
+            flat[a:b]
+            for (_, group), flat in zip(self._layer_caches, self._cache_bytes, strict=True)
+            for a, b in ranges[group]
+        ]
         return Scattered(self.layout.dtype, self._staged.shape or (), tuple(views))
 
     def poll(self) -> None:
@@ -667,6 +669,17 @@ class KVWorkerSide:
                 concurrent.futures.TimeoutError,
             ) as exc:  # never raise into vLLM's teardown
                 log.warning("KV connector: closing the store failed: %s", exc)
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``ids`` as runs of consecutive ids: ``(first, count)`` each, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in ids:
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
 
 
 def _rows_of_one(values: list[torch.Tensor]) -> torch.Tensor:
