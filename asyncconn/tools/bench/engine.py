@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=_args.count,
         default=3,
-        help="decode, ec: alternating rounds; ttft: passes over the prompts (later ones after vLLM's "
-        "reset_prefix_cache)",
+        help="decode, ec, ttft: alternating rounds (ttft: a fresh engine per config and round, its "
+        "prompts timed twice, the second time after reset_prefix_cache)",
     )
     parser.add_argument(
         "--decode-model", default="text", choices=("text", "text-100m"), help="decode: model (default text)"
