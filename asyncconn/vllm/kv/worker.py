@@ -251,14 +251,16 @@ class KVWorkerSide:
         blocks = self.layout.layer_shape[self.layout.block_dim]
         # Byte ranges of one layer, the same in every layer of a group: runs of consecutive ids, per outer
         # index (computed once per group, not once per layer: this runs on vLLM's thread for every value).
-        ranges = [
-            [
-                ((o * blocks + first) * per_block, (o * blocks + first + count) * per_block)
-                for o in range(self._outer)
-                for first, count in _runs(ids)
-            ]
-            for ids in ref.block_ids
-        ]
+        ranges = []
+        for ids in ref.block_ids:
+            runs = _runs(ids)
+            ranges.append(
+                [
+                    ((o * blocks + first) * per_block, (o * blocks + first + count) * per_block)
+                    for o in range(self._outer)
+                    for first, count in runs
+                ]
+            )
         views = [
             flat[a:b]
             for (_, group), flat in zip(self._layer_caches, self._cache_bytes, strict=True)

@@ -40,8 +40,10 @@ def runtime() -> Iterator[Runtime]:
 
 
 def _worker(
-    runtime: Runtime, blocks_per_value: int, url: str | None = None
+    runtime: Runtime, blocks_per_value: int, url: str | None = None, kv_outer: bool = False
 ) -> tuple[KVWorkerSide, KeySpace, dict[str, torch.Tensor]]:
+    """A worker on host caches of ``[NUM_BLOCKS, 2, 16, 8]`` per layer (``kv_outer``: ``[2, NUM_BLOCKS, 16,
+    8]``, K and V apart, vLLM's other layout)."""
     identity = KVIdentity(
         "worker-loads", "", "float32", "default", 16, 2, 8, tuple(LAYERS), 1, blocks_per_value
     )
@@ -59,7 +61,8 @@ def _worker(
         group_of_layer=dict.fromkeys(LAYERS, 0),
         num_blocks=NUM_BLOCKS,
     )
-    caches = {n: torch.zeros(NUM_BLOCKS, 2, 16, 8) for n in LAYERS}
+    shape = (2, NUM_BLOCKS, 16, 8) if kv_outer else (NUM_BLOCKS, 2, 16, 8)
+    caches = {n: torch.zeros(shape) for n in LAYERS}
     worker.register_kv_caches(caches)
     return worker, keys, caches
 
@@ -181,6 +184,32 @@ def test_in_place_loads_land_bytes_exact_in_the_cache(
     assert not worker.store.backend.path_for(keys.store_key(hashes[3], 0)).exists()  # type: ignore[attr-defined]
     worker.shutdown()
     assert not any(worker.counters().values()), worker.counters()
+
+
+@pytest.mark.parametrize("bpv", [1, 3])
+def test_in_place_loads_with_k_and_v_apart_land_in_each_half(
+    runtime: Runtime, bpv: int, tmp_path: Path
+) -> None:
+    """With the ``[2, num_blocks, ...]`` layout a value's blocks are two pieces per run of ids in each layer
+    (K's, then V's); runs of consecutive ids and lone ids mixed must each land at their own blocks."""
+    worker, keys, caches = _worker(runtime, bpv, f"file://{tmp_path}/store", kv_outer=True)
+    assert worker._cache_bytes is not None and worker._outer == 2
+    value = torch.randn(len(LAYERS), 2, bpv, 16, 8)
+    key_hash = b"\x07" * 32
+    runtime.run(worker.store.put([(keys.store_key(key_hash, 0), value)]))
+    ids = (9, 10, 4) if bpv == 3 else (17,)  # 3: a run of two, then a lone block
+    worker.start_load_kv(
+        AsyncConnKVMetadata(loads=[LoadSpec("r", (ValueRef(key_hash, tuple(range(bpv)), (ids,)),))])
+    )
+    _receive(worker, "r")
+    assert worker._stats.data["loads_in_place"] == 1
+    assert not worker.get_block_ids_with_load_errors()
+    for i, name in enumerate(LAYERS):
+        for j, b in enumerate(ids):
+            assert torch.equal(caches[name][:, b], value[i, :, j]), (name, j)
+    untouched = [b for b in range(NUM_BLOCKS) if b not in ids]
+    assert all(not caches[n][:, untouched].any() for n in LAYERS)
+    worker.shutdown()
 
 
 def test_a_request_finished_while_its_in_place_read_runs_is_reported_after_the_read(
