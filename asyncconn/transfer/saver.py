@@ -85,6 +85,7 @@ from asyncconn.transfer.failures import Failure, RateLimitedLog, classify
 from asyncconn.transfer.lazy import LazyTensor, Pieces
 from asyncconn.transfer.pool import PinnedPool
 from asyncconn.transfer.puts import Batch, Putter
+from asyncconn.transfer.runs import runs
 from asyncconn.transfer.snapshot import Copier, CopyJob, Group
 from asyncconn.transfer.staging import Save, Source, Span, aligned
 
@@ -281,7 +282,7 @@ class SaveTracker:
         seen: set[str] = set()
         taken: list[int] = []
         for i, (_, key) in enumerate(items):
-            if key not in seen and key not in self._inflight_keys and key not in self._recent:
+            if key not in seen and not self._known(key):
                 taken.append(i)
             seen.add(key)
         nbytes = stacked[0].numel() * stacked.element_size() if len(items) else 0
@@ -318,13 +319,17 @@ class SaveTracker:
         self._copying.extend(saves)
         return taken
 
+    def _known(self, key: str) -> bool:
+        """``key`` is being saved now or was saved recently: another save of it is a duplicate."""
+        return key in self._inflight_keys or key in self._recent
+
     def _admit(self, request_id: str, key: str) -> bool:
         """Count a save of ``key`` against its request, or skip it as a duplicate (saved recently or being
         saved now; a request with nothing pending is then finished)."""
         request = self._requests.get(request_id)
         if request is None:
             request = self._requests[request_id] = _Request()
-        if key in self._inflight_keys or key in self._recent:
+        if self._known(key):
             self.skipped += 1
             if request.pending == 0:
                 self._finished.add(request_id)
@@ -688,15 +693,10 @@ def _span_pairs(
     apart: one pair per run of consecutive rows when the rows are packed with no padding, else one per row."""
     row_bytes = stacked[0].numel() * stacked.element_size()
     shape, dtype = tuple(stacked.shape[1:]), stacked.dtype
-    runs: list[tuple[int, int]] = []  # (first row, count)
-    for row in rows:
-        if runs and stride == row_bytes and runs[-1][0] + runs[-1][1] == row:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((row, 1))
+    row_runs = runs(rows) if stride == row_bytes else [(row, 1) for row in rows]
     pairs = []
     offset = 0
-    for first, count in runs:
+    for first, count in row_runs:
         dst = storage[offset : offset + count * row_bytes].view(dtype).view(count, *shape)
         pairs.append((dst, stacked[first : first + count]))
         offset += count * stride

@@ -48,6 +48,7 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import Scattered, TensorStore
 from asyncconn.transfer import CpuDevice, Failure, LoadResult, NewTensor, SaveTracker, StreamLoader
 from asyncconn.transfer.lazy import Pieces, Shared
+from asyncconn.transfer.runs import runs
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, SaveSpec, ValueRef
 
@@ -253,12 +254,12 @@ class KVWorkerSide:
         # index (computed once per group, not once per layer: this runs on vLLM's thread for every value).
         ranges = []
         for ids in ref.block_ids:
-            runs = _runs(ids)
+            id_runs = runs(ids)
             ranges.append(
                 [
                     ((o * blocks + first) * per_block, (o * blocks + first + count) * per_block)
                     for o in range(self._outer)
-                    for first, count in runs
+                    for first, count in id_runs
                 ]
             )
         views = [
@@ -671,17 +672,6 @@ class KVWorkerSide:
                 concurrent.futures.TimeoutError,
             ) as exc:  # never raise into vLLM's teardown
                 log.warning("KV connector: closing the store failed: %s", exc)
-
-
-def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """``ids`` as runs of consecutive ids: ``(first, count)`` each, in order."""
-    runs: list[tuple[int, int]] = []
-    for b in ids:
-        if runs and b == runs[-1][0] + runs[-1][1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((b, 1))
-    return runs
 
 
 def _rows_of_one(values: list[torch.Tensor]) -> torch.Tensor:
