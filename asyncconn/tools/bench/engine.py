@@ -1,4 +1,5 @@
-"""``asyncconn bench engine``: figures from vLLM's real engine (TTFT on a shared prefix, decode, EC).
+"""``asyncconn bench engine``: figures from vLLM's real engine (TTFT on a shared prefix, decode, EC, and
+the stall a load puts on running requests).
 
 See :mod:`asyncconn.tools.bench.engine_runs` for what each measures;
 docs/benchmarks.md holds the current table.
@@ -9,24 +10,32 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from typing import Any
 
 from asyncconn.cli import _args
 
 __all__ = ["add_arguments", "run"]
 
-_WHAT = ("ttft", "decode", "ec")
+_WHAT = ("ttft", "decode", "ec", "stall")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--what", default="ttft,decode,ec", help=f"comma-separated, of {', '.join(_WHAT)}")
-    parser.add_argument("--tokens", type=_args.count, default=4096, help="ttft: prompt length (default 4096)")
-    parser.add_argument("--prompts", type=_args.count, default=3, help="ttft: prompts timed per config")
+    parser.add_argument(
+        "--tokens", type=_args.count, default=4096, help="ttft, stall: stored prompt length (default 4096)"
+    )
+    parser.add_argument(
+        "--prompts", type=_args.count, default=3, help="ttft, stall: prompts timed per config and engine"
+    )
+    parser.add_argument(
+        "--decoders", type=_args.count, default=4, help="stall: requests decoding while a prompt loads"
+    )
     parser.add_argument(
         "--rounds",
         type=_args.count,
         default=3,
-        help="decode, ec, ttft: alternating rounds (ttft: a fresh engine per config and round, its "
+        help="decode, ec, ttft, stall: alternating rounds (ttft: a fresh engine per config and round, its "
         "prompts timed twice, the second time after reset_prefix_cache)",
     )
     parser.add_argument(
@@ -43,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from asyncconn.tools.demo.report import print_summary
     from asyncconn.tools.engines import engine_env
 
+    # vLLM logs to stdout by default; --json output must be the only thing there.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     engine_env()
     logging.getLogger("vllm").setLevel(logging.ERROR)
     what = [w.strip() for w in str(args.what).split(",") if w.strip()]
@@ -59,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
             summaries.append(
                 engine_runs.decode_bench(
                     model_name=args.decode_model, rounds=args.rounds, batches=args.decode_batches
+                )
+            )
+        elif item == "stall":
+            summaries.append(
+                engine_runs.stall_bench(
+                    tokens=args.tokens, prompts=args.prompts, decoders=args.decoders, rounds=args.rounds
                 )
             )
         else:

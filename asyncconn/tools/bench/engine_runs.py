@@ -10,6 +10,9 @@ Every comparison is measured side by side in one process run, on the same model 
 - ``decode``: decode tokens per second with the KV connector attached (``kv_both``, fresh prompts so
   nothing loads) and without, in alternating rounds.
 - ``ec``: PD's time per image request with embeddings loaded from the store vs encoded locally.
+- ``stall``: what a long prompt's load costs the requests already decoding on the engine: the step times
+  they see from the prompt's arrival to its first token, asyncconn over ``file://`` against
+  ``ExampleConnector`` (which loads inside the step that schedules the prompt), in alternating rounds.
 
 Each figure is a median over the samples; the machine, command and date go with it into docs/benchmarks.md.
 """
@@ -28,7 +31,7 @@ from typing import Any
 
 from asyncconn.tools.engines import Probe, close_llm, kv_config, make_llm
 
-__all__ = ["decode_bench", "ec_bench", "memcpy_gbps", "ttft_bench"]
+__all__ = ["decode_bench", "ec_bench", "memcpy_gbps", "stall_bench", "ttft_bench"]
 
 
 def _say(message: str) -> None:
@@ -169,6 +172,127 @@ def ttft_bench(
         figures[f"{name}: vs ExampleConnector (median of the rounds)"] = round(statistics.median(ratios), 3)
     title = f"TTFT on {tokens}-token prompts another engine computed ({model_name}, {rounds} rounds)"
     return {"title": title, "figures": figures}
+
+
+def stall_bench(
+    tokens: int = 4096, prompts: int = 3, decoders: int = 4, rounds: int = 3, model_name: str = "text-100m"
+) -> dict[str, Any]:
+    """The steps that requests already decoding see while a long stored prompt arrives and loads.
+
+    Why: a connector that loads inside the step that schedules the prompt (``ExampleConnector``) adds the
+    whole load to one step of every running request -- an inter-token stall -- where asyncconn loads on its
+    own threads while the engine keeps stepping. Each engine runs ``decoders`` requests decoding; then the
+    ``prompts`` long prompts (stored by another engine) arrive one at a time, each after ``_LEAD`` decode
+    steps that give that prompt's baseline step time. Per prompt: the longest step between its arrival and
+    its first token, the time those steps took beyond the baseline, and its time to first token. Configs
+    alternate in each round on fresh engines; the comparison is the median of the per-round ratios.
+    """
+    from vllm import SamplingParams
+
+    from asyncconn.tools.tiny_models import build_model
+
+    model = build_model(model_name, progress=_say)
+    rng = random.Random(11)
+    long_prompts = [[rng.randrange(5, 8000) for _ in range(tokens + 17)] for _ in range(prompts)]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    endless = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    engine_args: dict[str, Any] = {
+        "kv_cache_bytes": 2 << 30,
+        "max_model_len": tokens + 64,
+        "max_num_batched_tokens": tokens + 64,
+        "max_num_seqs": decoders + 1,
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-"))
+    example_name = "vLLM ExampleConnector"
+    configs: dict[str, Callable[[], Any]] = {
+        "asyncconn file://": lambda: kv_config(backend_url=f"file://{workdir / 'store'}"),
+        example_name: lambda: _example_connector(workdir / "example"),
+    }
+    for name, make in configs.items():
+        _say(f"{name}: engine 1 computes and saves {prompts} prompts of {tokens} tokens")
+        llm = make_llm(model, kv=make(), **engine_args)
+        for prompt in long_prompts:  # one at a time: ExampleConnector mis-saves chunked prefills
+            llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+        Probe(llm).settle(timeout=300)
+        close_llm(llm)
+
+    def measured(make: Callable[[], Any]) -> list[dict[str, float]]:
+        llm = make_llm(model, kv=make(), **engine_args)
+        engine = llm.llm_engine
+        try:
+            running = [f"decode-{i}" for i in range(decoders)]
+            for rid in running:
+                prompt = [rng.randrange(5, 8000) for _ in range(64)]
+                engine.add_request(rid, {"prompt_token_ids": prompt}, endless)
+            for _ in range(2 * _LEAD):  # all admitted, prefilled and decoding
+                engine.step()
+            samples = []
+            for index, prompt in enumerate(long_prompts):
+                lead = []
+                for _ in range(_LEAD):
+                    started = time.perf_counter()
+                    engine.step()
+                    lead.append(time.perf_counter() - started)
+                arrived = time.perf_counter()
+                engine.add_request(f"long-{index}", {"prompt_token_ids": prompt}, one)
+                window: list[float] = []
+                while True:
+                    started = time.perf_counter()
+                    outputs = engine.step()
+                    window.append(time.perf_counter() - started)
+                    if any(o.request_id == f"long-{index}" and o.finished for o in outputs):
+                        break
+                    if time.perf_counter() - arrived > 120:
+                        raise RuntimeError(f"long prompt {index} did not finish within 120 s")
+                base = statistics.median(lead)
+                samples.append(
+                    {
+                        "base": base,
+                        "longest": max(window),
+                        "excess": sum(window) - base * len(window),
+                        "ttft": time.perf_counter() - arrived,
+                    }
+                )
+            engine.abort_request(running)
+            Probe(llm).settle(timeout=300)
+            return samples
+        finally:
+            close_llm(llm)
+
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    per_round: dict[str, list[float]] = {name: [] for name in configs}
+    for round_ in range(rounds):
+        order = list(configs) if round_ % 2 == 0 else list(reversed(configs))
+        for name in order:
+            samples = measured(configs[name])
+            longest = [round(x["longest"] * 1e3, 1) for x in samples]
+            _say(f"round {round_ + 1}, {name}: longest step per prompt {longest} ms")
+            results[name].extend(samples)
+            per_round[name].append(statistics.median(x["longest"] for x in samples))
+    figures: dict[str, Any] = {}
+    for name, samples in results.items():
+        for field, label in (
+            ("base", "decode step before the prompt, median ms"),
+            ("longest", "longest step, arrival to first token, median ms"),
+            ("excess", "step time beyond the decode step, arrival to first token, median ms"),
+            ("ttft", "the long prompt's TTFT, median ms"),
+        ):
+            figures[f"{name}: {label}"] = round(statistics.median(x[field] for x in samples) * 1e3, 1)
+    ours = per_round["asyncconn file://"]
+    ratios = [e / o for e, o in zip(per_round[example_name], ours, strict=True)]
+    figures["ExampleConnector's longest step / asyncconn's, per round"] = [round(r, 3) for r in ratios]
+    figures["ExampleConnector's longest step / asyncconn's (median of the rounds)"] = round(
+        statistics.median(ratios), 3
+    )
+    title = (
+        f"steps of {decoders} decoding requests while a {tokens}-token stored prompt loads "
+        f"({model_name}, {prompts} prompts per engine, {rounds} rounds)"
+    )
+    return {"title": title, "figures": figures}
+
+
+#: Decode steps timed before each long prompt arrives (its baseline).
+_LEAD = 8
 
 
 def _example_connector(path: Path) -> Any:

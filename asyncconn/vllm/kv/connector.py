@@ -207,6 +207,13 @@ class AsyncConnKVConnector(
         if isinstance(kv_connector_metadata, AsyncConnKVMetadata):
             self.worker_side.handle_preemptions(kv_connector_metadata)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind, and on a CPU engine issue the step's loads now (``KVWorkerSide.loads_before_forward``)."""
+        super().bind_connector_metadata(connector_metadata)
+        worker, meta = self._worker, connector_metadata
+        if worker is not None and isinstance(meta, AsyncConnKVMetadata) and worker.loads_before_forward:
+            worker.issue_loads(meta)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker_side.start_load_kv(self._meta())
 

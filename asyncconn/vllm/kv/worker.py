@@ -183,6 +183,7 @@ class KVWorkerSide:
         self._save_t0: dict[str, float] = {}
         self._deletes: set[concurrent.futures.Future[int]] = set()  # corrupt values being removed
         self._stats = AsyncConnKVStats()
+        self._issued: AsyncConnKVMetadata | None = None  # the last step's metadata whose loads were issued
         self._saver_base = (0, 0)
         self._namers: dict[int, Callable[[bytes], str]] = {}  # rank -> store key of a value hash
         self._closed = False
@@ -216,28 +217,48 @@ class KVWorkerSide:
         return self.layout.value_shape(len(self.layers), self.keys.blocks_per_value)
 
     # -- loads -----------------------------------------------------------------------------------------
+    @property
+    def loads_before_forward(self) -> bool:
+        """Whether a step's loads should be issued before its forward (:meth:`issue_loads` at bind time).
+
+        vLLM 0.32 starts asynchronous loads after the forward: on CUDA the forward is a launch that returns
+        at once, so that keeps the loads' submission off the critical path. A CPU forward runs to its end
+        before returning, so the loads would wait a whole step; issued when the metadata is bound they run
+        beside the forward (a request that loads is not scheduled, and its new blocks were zeroed before).
+        """
+        return bool(self._layer_caches) and self._layer_caches[0][0].device.type == "cpu"
+
+    def issue_loads(self, meta: AsyncConnKVMetadata) -> None:
+        """Submit this step's loads (never waits); once per metadata, whichever of bind or
+        ``start_load_kv`` comes first."""
+        if meta is self._issued:
+            return
+        self._issued = meta
+        if not meta.loads:
+            return
+        dest = self._staged
+        assert dest is not None, "register_kv_caches was not called"
+        now = time.monotonic()
+        submit: list[tuple[str, NewTensor | Scattered]] = []
+        for spec in meta.loads:
+            load = self._req_loads.setdefault(spec.request_id, _ReqLoad(now, now + self.load_timeout))
+            for ref in spec.values:
+                key = self.keys.store_key(ref.value_hash, self.rank)
+                fetch = self._fetches.get(key)
+                if fetch is None:
+                    fetch = self._fetches[key] = _Fetch()
+                    in_place = self._in_place_dest(ref)
+                    if in_place is not None:
+                        fetch.owner, fetch.owner_ref = spec.request_id, ref
+                    submit.append((key, in_place or dest))
+                fetch.targets.append((spec.request_id, ref))
+                load.remaining.add(key)
+        if submit:
+            self.loader.submit_many(submit)
+
     def start_load_kv(self, meta: AsyncConnKVMetadata) -> None:
-        """Issue this step's loads (never waits), then collect whatever has landed meanwhile."""
-        if meta.loads:
-            dest = self._staged
-            assert dest is not None, "register_kv_caches was not called"
-            now = time.monotonic()
-            submit: list[tuple[str, NewTensor | Scattered]] = []
-            for spec in meta.loads:
-                load = self._req_loads.setdefault(spec.request_id, _ReqLoad(now, now + self.load_timeout))
-                for ref in spec.values:
-                    key = self.keys.store_key(ref.value_hash, self.rank)
-                    fetch = self._fetches.get(key)
-                    if fetch is None:
-                        fetch = self._fetches[key] = _Fetch()
-                        in_place = self._in_place_dest(ref)
-                        if in_place is not None:
-                            fetch.owner, fetch.owner_ref = spec.request_id, ref
-                        submit.append((key, in_place or dest))
-                    fetch.targets.append((spec.request_id, ref))
-                    load.remaining.add(key)
-            if submit:
-                self.loader.submit_many(submit)
+        """Issue this step's loads unless bind did (never waits), then collect whatever has landed."""
+        self.issue_loads(meta)
         self._poll_loads()
 
     def _in_place_dest(self, ref: ValueRef) -> Scattered | None:

@@ -17,6 +17,7 @@ import torch
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, PinnedPool, SaveTracker, StreamLoader
+from asyncconn.vllm.kv.connector import AsyncConnKVConnector
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, ValueRef
 from asyncconn.vllm.kv.worker import KVWorkerSide
@@ -127,6 +128,48 @@ def test_loaded_values_land_bytes_exact_from_staging(
     # an index tensor only for its positions and for runs of block ids that are not consecutive
     assert gathers == (len(LAYERS) if bpv > 1 else 0)
     assert index_tensors == (0 if bpv == 1 else 1 if ascending else 3)
+    worker.shutdown()
+    assert not any(worker.counters().values()), worker.counters()
+
+
+def test_a_cpu_engines_loads_are_issued_at_bind_once_before_the_forward(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.32 calls ``start_load_kv`` for asynchronous loads after the forward, which on a CPU engine has
+    run to its end by then: the connector issues them when the step's metadata is bound instead, and vLLM's
+    later call submits nothing again."""
+    worker, keys, caches = _worker(runtime, 1)
+    value = torch.randn(len(LAYERS), 1, 2, 16, 8)
+    runtime.run(worker.store.put([(keys.store_key(b"\x01" * 32, 0), value)]))
+    submitted: list[int] = []
+    submit_many = worker.loader.submit_many
+
+    def counted(items: Any) -> None:
+        submitted.append(len(items))
+        submit_many(items)
+
+    monkeypatch.setattr(worker.loader, "submit_many", counted)
+    connector = object.__new__(AsyncConnKVConnector)  # the facade's worker role, without vLLM's config
+    connector._worker, connector._scheduler = worker, None
+    meta = AsyncConnKVMetadata(loads=[LoadSpec("r", (ValueRef(b"\x01" * 32, (0,), ((5,),)),))])
+    assert worker.loads_before_forward
+    connector.bind_connector_metadata(meta)
+    assert submitted == [1]  # before any forward
+    connector.start_load_kv(None)  # type: ignore[arg-type]  # vLLM's call, after the forward
+    assert submitted == [1]
+    assert [len(f.targets) for f in worker._fetches.values()] in ([1], [])  # not planned twice either
+    _receive(worker, "r")
+    assert worker.get_block_ids_with_load_errors() == set()
+    for i, name in enumerate(LAYERS):
+        assert torch.equal(caches[name][5], value[i, 0])
+    # the next step's metadata (nothing to load) issues nothing, and a step vLLM never bound still loads
+    connector.bind_connector_metadata(AsyncConnKVMetadata())
+    connector.start_load_kv(None)  # type: ignore[arg-type]
+    worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("s", (ValueRef(b"\x01" * 32, (0,), ((6,),)),))]))
+    assert submitted == [1, 1]
+    _receive(worker, "s")
+    for i, name in enumerate(LAYERS):
+        assert torch.equal(caches[name][6], value[i, 0])
     worker.shutdown()
     assert not any(worker.counters().values()), worker.counters()
 
