@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
-from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, assert_idle, assert_same_kv, generate
+from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, assert_idle, assert_same_kv, generate, sampling
 from tests.servers import LookupServerProcess, RedisServer
 
 pytestmark = pytest.mark.vllm
@@ -89,3 +89,61 @@ def test_a_fresh_engine_loads_the_shared_prefixes_byte_for_byte(
     assert generate(probe.llm, PROMPTS) == kv_reference["tokens"]
     assert_idle(probe)
     assert (saver.saved, saver.skipped, saver.skipped_existing) == before
+
+
+def test_loads_start_before_the_forward_of_the_step_that_plans_them(
+    text_model: Path,
+    engines: list[Any],
+    kv_reference: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.32 calls ``start_load_kv`` for asynchronous loads after the forward, and a CPU forward has run
+    to its end by then: the connector issues a step's loads when vLLM binds its metadata, so they run beside
+    that step's forward (here another request's decode) instead of a step later -- and still land byte for
+    byte."""
+    store = {"backend_url": f"file://{tmp_path / 'store'}"}
+    first = make_llm(text_model, kv=kv_config(**store))
+    engines.append(first)
+    assert generate(first, PROMPTS[:1]) == kv_reference["tokens"][:1]
+    assert_idle(Probe(first))
+    close_llm(first)
+    engines.remove(first)
+
+    second = make_llm(text_model, kv=kv_config(**store))
+    engines.append(second)
+    probe = Probe(second)
+    worker = probe.kv_worker_connector().worker_side
+    events: list[str] = []
+    issue, forward = worker.issue_loads, probe.runner._model_forward
+
+    def issue_loads(meta: Any) -> None:
+        if meta.loads and meta is not worker._issued:
+            events.append("issue")
+        issue(meta)
+
+    def model_forward(*args: Any, **kwargs: Any) -> Any:
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "issue_loads", issue_loads)
+    monkeypatch.setattr(probe.runner, "_model_forward", model_forward)
+    engine = second.llm_engine
+    busy = [7 + (i * 37) % 900 for i in range(40)]  # shares no block with PROMPTS
+    engine.add_request("busy", {"prompt_token_ids": busy}, sampling(64))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("loaded", {"prompt_token_ids": PROMPTS[0]}, sampling(8))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        events.append("step")
+        tokens.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    assert events.count("issue") == 1, events
+    at = events.index("issue")
+    assert events[at - 1 : at + 2] == ["step", "issue", "forward"], (
+        events
+    )  # inside the step, before its forward
+    assert tokens["loaded"] == kv_reference["tokens"][0]
+    assert probe.metrics()["vllm:external_prefix_cache_hits"] == FULL_BLOCKS * BLOCK_SIZE
+    assert_same_kv(probe.prompt_kv(PROMPTS[0]), kv_reference["kv"][0])
+    assert_idle(probe)
