@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncconn.tools.engines import BLOCK_SIZE, Probe, token_ids
+from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm, token_ids
 from tests.engine.conftest import shared_prefix_prompts
 
 PROMPTS = shared_prefix_prompts()
@@ -41,3 +42,15 @@ def assert_idle(probe: Probe) -> None:
     assert set(scheduler.scheduler_side.counters().values()) == {0}, scheduler.scheduler_side.counters()
     free, total = probe.free_blocks()
     assert free == total
+
+
+def save_prompts(text_model: Path, url: str, **extra: Any) -> None:
+    """Engine 1: compute and save :data:`PROMPTS`, then close (its saves finish first)."""
+    llm = make_llm(text_model, kv=kv_config(backend_url=url, **extra))
+    try:
+        generate(llm, PROMPTS)
+        probe = Probe(llm)
+        assert_idle(probe)
+        assert probe.kv_worker_connector().worker_side.saver.saved > 0
+    finally:
+        close_llm(llm)

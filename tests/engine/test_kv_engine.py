@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 
 from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
-from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, assert_idle, assert_same_kv, generate, sampling
+from tests.engine.kvcase import (
+    FULL_BLOCKS,
+    PROMPTS,
+    assert_idle,
+    assert_same_kv,
+    generate,
+    sampling,
+    save_prompts,
+)
 from tests.servers import LookupServerProcess, RedisServer
 
 pytestmark = pytest.mark.vllm
@@ -102,15 +110,9 @@ def test_loads_start_before_the_forward_of_the_step_that_plans_them(
     to its end by then: the connector issues a step's loads when vLLM binds its metadata, so they run beside
     that step's forward (here another request's decode) instead of a step later -- and still land byte for
     byte."""
-    store = {"backend_url": f"file://{tmp_path / 'store'}"}
-    first = make_llm(text_model, kv=kv_config(**store))
-    engines.append(first)
-    assert generate(first, PROMPTS[:1]) == kv_reference["tokens"][:1]
-    assert_idle(Probe(first))
-    close_llm(first)
-    engines.remove(first)
-
-    second = make_llm(text_model, kv=kv_config(**store))
+    url = f"file://{tmp_path / 'store'}"
+    save_prompts(text_model, url)
+    second = make_llm(text_model, kv=kv_config(backend_url=url))
     engines.append(second)
     probe = Probe(second)
     worker = probe.kv_worker_connector().worker_side

@@ -17,22 +17,10 @@ import pytest
 from asyncconn_backends.file import FileBackend
 
 from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
-from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate, sampling
+from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate, sampling, save_prompts
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.vllm
-
-
-def save_prompts(text_model: Path, url: str, **extra: Any) -> None:
-    """Engine 1: compute and save :data:`PROMPTS`, then close (its saves finish first)."""
-    llm = make_llm(text_model, kv=kv_config(backend_url=url, **extra))
-    try:
-        generate(llm, PROMPTS)
-        probe = Probe(llm)
-        assert_idle(probe)
-        assert probe.kv_worker_connector().worker_side.saver.saved > 0
-    finally:
-        close_llm(llm)
 
 
 def internal_ids(probe: Probe, request_id: str) -> list[str]:
