@@ -132,13 +132,7 @@ def ttft_bench(
             "asyncconn redis://": lambda: kv_config(backend_url=redis_url),
             example_name: lambda: _example_connector(workdir / "example"),
         }
-        for name, make in loaders.items():
-            _say(f"{name}: engine 1 computes and saves {prompts} prompts of {tokens} tokens")
-            llm = make_llm(model, kv=make(), **engine_args)
-            for text in texts:
-                llm.generate([{"prompt_token_ids": text}], one, use_tqdm=False)
-            Probe(llm).settle(timeout=300)
-            close_llm(llm)
+        _fill_stores(model, loaders, texts, engine_args)
         _say("recompute (no connector): a fresh engine's time to first token")
         results: dict[str, list[float]] = {"recompute (no connector)": timed(None, 1)}
         per_round: dict[str, list[float]] = {name: [] for name in loaders}
@@ -208,13 +202,7 @@ def stall_bench(
         "asyncconn file://": lambda: kv_config(backend_url=f"file://{workdir / 'store'}"),
         example_name: lambda: _example_connector(workdir / "example"),
     }
-    for name, make in configs.items():
-        _say(f"{name}: engine 1 computes and saves {prompts} prompts of {tokens} tokens")
-        llm = make_llm(model, kv=make(), **engine_args)
-        for prompt in long_prompts:  # one at a time: ExampleConnector mis-saves chunked prefills
-            llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
-        Probe(llm).settle(timeout=300)
-        close_llm(llm)
+    _fill_stores(model, configs, long_prompts, engine_args)
 
     def measured(make: Callable[[], Any]) -> list[dict[str, float]]:
         llm = make_llm(model, kv=make(), **engine_args)
@@ -293,6 +281,22 @@ def stall_bench(
 
 #: Decode steps timed before each long prompt arrives (its baseline).
 _LEAD = 8
+
+
+def _fill_stores(
+    model: Path, configs: dict[str, Callable[[], Any]], prompts: list[list[int]], engine_args: dict[str, Any]
+) -> None:
+    """Per config, an engine computes ``prompts`` and saves them through its connector, then closes."""
+    from vllm import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    for name, make in configs.items():
+        _say(f"{name}: engine 1 computes and saves {len(prompts)} prompts of {len(prompts[0])} tokens")
+        llm = make_llm(model, kv=make(), **engine_args)
+        for prompt in prompts:  # one at a time: ExampleConnector mis-saves chunked prefills
+            llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+        Probe(llm).settle(timeout=300)
+        close_llm(llm)
 
 
 def _example_connector(path: Path) -> Any:
