@@ -120,6 +120,11 @@ class Settings:
         _positive_duration, 5.0, "EC: how long PD waits for an item E announced but had not yet saved"
     )
     kv_blocks_per_value: int = _opt(parse_count, 1, "KV: consecutive blocks stored under one key")
+    kv_sync_loads: bool = _opt(
+        parse_bool,
+        False,
+        "KV: load in the step that schedules the request, which waits for it (vLLM's sync loads)",
+    )
     lookup_server_key: str | None = _opt(
         _optional_text, None, "CURVE public key of the lookup server (Z85 text or a key/cert file)"
     )

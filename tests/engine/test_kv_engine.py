@@ -50,7 +50,7 @@ def run_pair(
     return probe, probe.metrics()
 
 
-@pytest.fixture(params=["file", "file-4-blocks-per-value", "redis", "lookup-server"])
+@pytest.fixture(params=["file", "file-4-blocks-per-value", "file-sync-loads", "redis", "lookup-server"])
 def store_config(
     request: pytest.FixtureRequest, tmp_path: Path, redis_server: RedisServer
 ) -> Iterator[dict[str, Any]]:
@@ -59,6 +59,8 @@ def store_config(
         yield {"backend_url": f"file://{tmp_path / 'store'}"}
     elif request.param == "file-4-blocks-per-value":  # 4 of the 6 full blocks stored, the tail computed
         yield {"backend_url": f"file://{tmp_path / 'store'}", "kv_blocks_per_value": 4}
+    elif request.param == "file-sync-loads":  # loaded in the step that schedules the request
+        yield {"backend_url": f"file://{tmp_path / 'store'}", "kv_sync_loads": True}
     elif request.param == "redis":
         yield {"backend_url": redis_server.url, "key_prefix": prefix}
     else:
@@ -146,6 +148,56 @@ def test_loads_start_before_the_forward_of_the_step_that_plans_them(
         events
     )  # inside the step, before its forward
     assert tokens["loaded"] == kv_reference["tokens"][0]
+    assert probe.metrics()["vllm:external_prefix_cache_hits"] == FULL_BLOCKS * BLOCK_SIZE
+    assert_same_kv(probe.prompt_kv(PROMPTS[0]), kv_reference["kv"][0])
+    assert_idle(probe)
+
+
+def test_sync_loads_land_before_the_forward_of_the_step_that_schedules_the_request(
+    text_model: Path,
+    engines: list[Any],
+    kv_reference: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``kv_sync_loads``: vLLM schedules the request on top of its hit at once (it never waits in
+    ``WAITING_FOR_REMOTE_KVS``), and every value is in its blocks before that step's forward reads them --
+    the one step that loads is the step whose forward computes the prompt's tail."""
+    from vllm.v1.request import RequestStatus
+
+    url = f"file://{tmp_path / 'store'}"
+    save_prompts(text_model, url)
+    second = make_llm(text_model, kv=kv_config(backend_url=url, kv_sync_loads=True))
+    engines.append(second)
+    probe = Probe(second)
+    worker = probe.kv_worker_connector().worker_side
+    events: list[str] = []
+    settle, forward = worker._settle_sync_loads, probe.runner._model_forward
+
+    def settled() -> None:
+        settle()
+        events.append("loaded" if not worker.counters()["req_loads"] else "not loaded")
+
+    def model_forward(*args: Any, **kwargs: Any) -> Any:
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "_settle_sync_loads", settled)
+    monkeypatch.setattr(probe.runner, "_model_forward", model_forward)
+    engine = second.llm_engine
+    engine.add_request("loaded", {"prompt_token_ids": PROMPTS[0]}, sampling(8))
+    scheduler = engine.engine_core.engine_core.scheduler
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        events.append("step")
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids) if out.finished else tokens
+        for request in scheduler.requests.values():
+            assert request.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert events.count("loaded") == 1, events
+    at = events.index("loaded")
+    assert events[at - 1 : at + 2] == ["step", "loaded", "forward"], events
+    assert tokens == kv_reference["tokens"][0]
     assert probe.metrics()["vllm:external_prefix_cache_hits"] == FULL_BLOCKS * BLOCK_SIZE
     assert_same_kv(probe.prompt_kv(PROMPTS[0]), kv_reference["kv"][0])
     assert_idle(probe)

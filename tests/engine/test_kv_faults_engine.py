@@ -209,9 +209,14 @@ def test_an_abort_while_a_read_writes_the_blocks_in_place_holds_them_until_the_r
     assert_idle(probe)
 
 
+@pytest.mark.parametrize("sync_loads", [False, True], ids=["async-loads", "sync-loads"])
 def test_corrupt_stored_values_are_recomputed(
-    text_model: Path, engines: list[Any], kv_reference: dict[str, Any], tmp_path: Path
+    text_model: Path, engines: list[Any], kv_reference: dict[str, Any], tmp_path: Path, sync_loads: bool
 ) -> None:
+    """Every stored value has one bit flipped: each is refused, deleted and recomputed, and what the engine
+    saves instead is good -- a third engine loads all of it with no failure. With sync loads the step that
+    loads also computes the prompt's tail on top of the bad blocks: vLLM drops that step's output and
+    recomputes, and the values that step computed are not saved."""
     root = tmp_path / "store"
     save_prompts(text_model, f"file://{root}")
     damaged = 0
@@ -221,7 +226,7 @@ def test_corrupt_stored_values_are_recomputed(
         path.write_bytes(bytes(data))
         damaged += 1
     assert damaged >= len(PROMPTS)
-    llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}"))
+    llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}", kv_sync_loads=sync_loads))
     engines.append(llm)
     probe = Probe(llm)
     assert generate(llm, PROMPTS) == kv_reference["tokens"]
@@ -232,4 +237,63 @@ def test_corrupt_stored_values_are_recomputed(
     # The damaged values were read in place, straight into the blocks vLLM then recomputed (compared above).
     assert loader.reads_in_place > 0
     assert_idle(probe)
+    close_llm(llm)
+    engines.remove(llm)
+    third = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}"))
+    engines.append(third)
+    probe = Probe(third)
+    assert generate(third, PROMPTS) == kv_reference["tokens"]
+    loader = probe.kv_worker_connector().worker_side.loader
+    assert loader.loaded > 0 and not loader.failures
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
+    assert_idle(probe)
     assert BLOCK_SIZE == 32
+
+
+def test_a_failed_sync_load_saves_nothing_computed_on_top_of_it(
+    text_model: Path, engines: list[Any], kv_reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """With sync loads the step that loads a prompt's first four values also computes its next two. When
+    value 1 (shared by all four prompts, through vLLM's prefix cache) turns out corrupt, what that step
+    computed is wrong for every prompt that read it: vLLM drops it and recomputes, and none of it may reach
+    the store (the recomputed values' saves would then be skipped as existing). A third engine loads every
+    value the second one left in the store, byte for byte, with no failure."""
+    root = tmp_path / "store"
+    save_prompts(text_model, f"file://{root}")
+    llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}", kv_sync_loads=True))
+    engines.append(llm)
+    probe = Probe(llm)
+    worker = probe.kv_worker_connector().worker_side
+    backend: FileBackend = worker.store.backend  # type: ignore[assignment]
+    shared: set[str] = set()
+    for prompt in PROMPTS:
+        keys = [worker.keys.store_key(h, 0) for h in worker.keys.value_hashes(probe.block_hashes(prompt))]
+        assert len(keys) == 6
+        for key in keys[4:]:  # the store holds values 0-3: the step that loads them computes 4 and 5
+            backend.path_for(key).unlink()
+        shared.add(keys[1])
+    (value_1,) = shared  # the prompts share their first 3 blocks: value 1 is one file
+    path = backend.path_for(value_1)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2  # a middle layer's KV: the layers after it compute other KV on top of it
+    for i in range(4):  # one of the four is a float's exponent byte
+        data[middle + i] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert generate(llm, PROMPTS) == kv_reference["tokens"]
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
+    assert worker.loader.failures, "no load failed on the corrupt value"
+    assert_idle(probe)
+    close_llm(llm)
+    engines.remove(llm)
+    third = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}"))
+    engines.append(third)
+    probe = Probe(third)
+    assert generate(third, PROMPTS) == kv_reference["tokens"]
+    loader = probe.kv_worker_connector().worker_side.loader
+    assert loader.loaded > 0 and not loader.failures
+    assert probe.metrics()["vllm:external_prefix_cache_hits"] > 0
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
+    assert_idle(probe)

@@ -129,10 +129,13 @@ def ttft_bench(
             "asyncconn file://, 4 blocks per value": lambda: kv_config(
                 backend_url=f"file://{workdir / 'store-4'}", kv_blocks_per_value=4
             ),
+            "asyncconn file://, sync loads": lambda: kv_config(
+                backend_url=f"file://{workdir / 'store'}", kv_sync_loads=True
+            ),
             "asyncconn redis://": lambda: kv_config(backend_url=redis_url),
             example_name: lambda: _example_connector(workdir / "example"),
         }
-        _fill_stores(model, loaders, texts, engine_args)
+        _fill_stores(model, {k: v for k, v in loaders.items() if "sync" not in k}, texts, engine_args)
         _say("recompute (no connector): a fresh engine's time to first token")
         results: dict[str, list[float]] = {"recompute (no connector)": timed(None, 1)}
         per_round: dict[str, list[float]] = {name: [] for name in loaders}
@@ -200,9 +203,12 @@ def stall_bench(
     example_name = "vLLM ExampleConnector"
     configs: dict[str, Callable[[], Any]] = {
         "asyncconn file://": lambda: kv_config(backend_url=f"file://{workdir / 'store'}"),
+        "asyncconn file://, sync loads": lambda: kv_config(
+            backend_url=f"file://{workdir / 'store'}", kv_sync_loads=True
+        ),
         example_name: lambda: _example_connector(workdir / "example"),
     }
-    _fill_stores(model, configs, long_prompts, engine_args)
+    _fill_stores(model, {k: v for k, v in configs.items() if "sync" not in k}, long_prompts, engine_args)
 
     def measured(make: Callable[[], Any]) -> list[dict[str, float]]:
         llm = make_llm(model, kv=make(), **engine_args)
@@ -248,7 +254,7 @@ def stall_bench(
             close_llm(llm)
 
     results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
-    per_round: dict[str, list[float]] = {name: [] for name in configs}
+    per_round: dict[str, dict[str, list[float]]] = {"longest": {}, "ttft": {}}
     for round_ in range(rounds):
         order = list(configs) if round_ % 2 == 0 else list(reversed(configs))
         for name in order:
@@ -256,7 +262,8 @@ def stall_bench(
             longest = [round(x["longest"] * 1e3, 1) for x in samples]
             _say(f"round {round_ + 1}, {name}: longest step per prompt {longest} ms")
             results[name].extend(samples)
-            per_round[name].append(statistics.median(x["longest"] for x in samples))
+            for field, medians in per_round.items():
+                medians.setdefault(name, []).append(statistics.median(x[field] for x in samples))
     figures: dict[str, Any] = {}
     for name, samples in results.items():
         for field, label in (
@@ -266,12 +273,16 @@ def stall_bench(
             ("ttft", "the long prompt's TTFT, median ms"),
         ):
             figures[f"{name}: {label}"] = round(statistics.median(x[field] for x in samples) * 1e3, 1)
-    ours = per_round["asyncconn file://"]
-    ratios = [e / o for e, o in zip(per_round[example_name], ours, strict=True)]
-    figures["ExampleConnector's longest step / asyncconn's, per round"] = [round(r, 3) for r in ratios]
-    figures["ExampleConnector's longest step / asyncconn's (median of the rounds)"] = round(
-        statistics.median(ratios), 3
-    )
+    for field, label in (("longest", "longest step"), ("ttft", "TTFT")):
+        medians = per_round[field]
+        for name in configs:
+            if name == example_name:
+                continue
+            ratios = [e / o for e, o in zip(medians[example_name], medians[name], strict=True)]
+            figures[f"{name}: ExampleConnector's {label} / ours, per round"] = [round(r, 3) for r in ratios]
+            figures[f"{name}: ExampleConnector's {label} / ours (median of the rounds)"] = round(
+                statistics.median(ratios), 3
+            )
     title = (
         f"steps of {decoders} decoding requests while a {tokens}-token stored prompt loads "
         f"({model_name}, {prompts} prompts per engine, {rounds} rounds)"

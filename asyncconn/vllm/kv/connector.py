@@ -124,6 +124,7 @@ class AsyncConnKVConnector(
                 lookup=lookup,
                 save=config.is_kv_producer,
                 sync_lookup=self.settings.sync_lookup,
+                sync_loads=self.settings.kv_sync_loads,
             )
         else:
             self._worker = self._build_worker(keys, layers, group_of_layer, rank, kv_cache_config)
@@ -218,7 +219,8 @@ class AsyncConnKVConnector(
         self.worker_side.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are asynchronous: a request runs only after its blocks are in, so no layer ever waits."""
+        """No layer waits: an asynchronous load's request runs only after its blocks are in, and
+        ``start_load_kv`` returns only once a sync load's values are (a value holds every layer)."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

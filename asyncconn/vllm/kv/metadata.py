@@ -54,10 +54,12 @@ class ValueRef:
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Load these values for a request parked in ``WAITING_FOR_REMOTE_KVS``."""
+    """Load these values for a request parked in ``WAITING_FOR_REMOTE_KVS``, or -- ``sync`` -- for a
+    request this very step computes on top of them (``kv_sync_loads``): the step waits for them."""
 
     request_id: str
     values: tuple[ValueRef, ...]
+    sync: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ class _Req:
     stored_values: int = 0  # leading values present in the store or already planned for saving
     had_saves: bool = False
     loading: dict[int, frozenset[int]] | None = None  # value index -> blocks being loaded into
+    sync_load: bool = False  # ``loading`` is a sync load: done by the end of the step that planned it
 
 
 class KVSchedulerSide:
@@ -47,6 +48,8 @@ class KVSchedulerSide:
 
     ``lookup`` is None for a producer-only instance (nothing is ever loaded); ``save`` False for a
     consumer-only one. ``sync_lookup`` blocks in the scheduler until each lookup answers (baseline only).
+    ``sync_loads`` makes loads synchronous in vLLM's sense: a request is scheduled on top of its hit at
+    once, and the step that schedules it waits (on the workers) for its values before the forward.
     """
 
     def __init__(
@@ -56,22 +59,26 @@ class KVSchedulerSide:
         lookup: LookupClient[int] | None,
         save: bool,
         sync_lookup: bool = False,
+        sync_loads: bool = False,
     ) -> None:
         self.keys = keys
         self.lookup = lookup
         self.save = save
         self.sync_lookup = sync_lookup
+        self.sync_loads = sync_loads
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}  # request id -> values present, answered and not yet allocated
         self._local: dict[str, int] = {}  # request id -> values in vLLM's own prefix cache, until allocated
         self._loads: list[LoadSpec] = []  # planned since the last build_connector_meta
         self._via_recv: set[str] = set()  # finished while loading, since the last build_connector_meta
+        self._sync_loading: set[str] = set()  # sync loads planned; settled by the step's connector output
         self._stats = AsyncConnKVStats()
         self._lookups_seen = 0  # lookup latencies recorded at the last stats() (its fast path)
 
     # -- lookups ---------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """``(None, False)`` while the lookup is in flight; then ``(tokens to load, True)`` or ``(0, False)``.
+        """``(None, False)`` while the lookup is in flight; then ``(tokens to load, True)`` or ``(0, False)``
+        (``(tokens to load, False)`` with ``sync_loads``).
 
         Never waits (unless ``sync_lookup``): an outstanding lookup is only polled. The values vLLM's own
         prefix cache covers are remembered as stored: they were saved by the engine that computed them or
@@ -106,7 +113,7 @@ class KVSchedulerSide:
         hit_tokens = hit * tpv
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        return hit_tokens - num_computed_tokens, True
+        return hit_tokens - num_computed_tokens, not self.sync_loads
 
     def _ask(self, rid: str, value_hashes: list[bytes]) -> int | None:
         lookup = self.lookup
@@ -148,7 +155,10 @@ class KVSchedulerSide:
             values.append(ValueRef(hashes[v], positions, ids))
             loading[v] = frozenset(b for g in ids for b in g)
         state.loading = loading
-        self._loads.append(LoadSpec(rid, tuple(values)))
+        state.sync_load = self.sync_loads
+        if self.sync_loads:
+            self._sync_loading.add(rid)
+        self._loads.append(LoadSpec(rid, tuple(values), sync=self.sync_loads))
 
     # -- every step ------------------------------------------------------------------------------------
     def build_connector_meta(self, so: Any) -> AsyncConnKVMetadata:
@@ -230,9 +240,19 @@ class KVSchedulerSide:
         meta.saves.append(SaveSpec(rid, values))
 
     def update_connector_output(self, output: Any) -> None:
-        """A received request's blocks are the scheduler's again; failed values are saved anew later."""
+        """A received request's blocks are the scheduler's again; failed values are saved anew later.
+
+        A sync load is settled by the output of the step that planned it (the workers waited for it). Its
+        failed blocks may be shared, through vLLM's prefix cache, by requests that computed on top of them
+        in that step; vLLM recomputes those too, and the workers saved nothing that step, so every request
+        holding an invalid block saves again from the value that holds it.
+        """
         invalid = set(output.invalid_block_ids or ())
-        for rid in output.finished_recving or ():
+        settled = set(output.finished_recving or ())
+        if self._sync_loading:
+            settled |= self._sync_loading
+            self._sync_loading.clear()
+        for rid in settled:
             state = self._reqs.get(rid)
             if state is None or state.loading is None:
                 continue
@@ -240,6 +260,13 @@ class KVSchedulerSide:
             if bad:  # the store lacks (or has a bad copy of) these values: let this request save them
                 state.stored_values = min(state.stored_values, *bad)
             state.loading = None
+        if invalid and self.sync_loads:
+            tpv = self.keys.blocks_per_value
+            for state in self._reqs.values():
+                for group in state.block_ids:
+                    first = next((i for i, b in enumerate(group) if b in invalid), None)
+                    if first is not None:
+                        state.stored_values = min(state.stored_values, first // tpv)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """True -- keep the blocks -- while a save may read them or a load may write them.
@@ -253,7 +280,7 @@ class KVSchedulerSide:
         self._forget(rid)
         if state is None:
             return False, None
-        if state.loading is not None:
+        if state.loading is not None and not state.sync_load:  # a sync load ended with its step
             self._via_recv.add(rid)
             return True, None
         return state.had_saves, None
@@ -289,6 +316,7 @@ class KVSchedulerSide:
             "local_hits": len(self._local),
             "planned_loads": len(self._loads),
             "finished_via_recv": len(self._via_recv),
+            "sync_loading": len(self._sync_loading),
         }
         if self.lookup is not None:
             out.update({f"lookup_{k}": v for k, v in self.lookup.counters().items()})
@@ -300,5 +328,6 @@ class KVSchedulerSide:
         self._local.clear()
         self._loads.clear()
         self._via_recv.clear()
+        self._sync_loading.clear()
         if self.lookup is not None:
             self.lookup.close()

@@ -20,7 +20,8 @@ a request is reported only once every read into its blocks has ended, also when 
 out meanwhile. A request is reported in
 ``finished_recving`` once all its values are in; blocks whose value failed (miss, corrupt, timeout, dead
 store, deadline) are reported the same step through ``get_block_ids_with_load_errors`` so vLLM recomputes
-them.
+them. A sync load (``kv_sync_loads``) is the same load, but ``start_load_kv`` returns only once it is in
+(vLLM runs the forward on top of it right after), and it is never reported in ``finished_recving``.
 
 Saves: ``wait_for_save`` submits the step's planned values to the :class:`SaveTracker` as slices of one
 gather over the cache (one ``index_select`` per layer) -- evaluated lazily on the tracker's copy thread on
@@ -128,6 +129,7 @@ class _ReqLoad:
     failed_blocks: set[int] = field(default_factory=set)
     aborted: bool = False  # finished while loading: reported without load errors once nothing writes
     timed_out: bool = False
+    sync: bool = False  # settled by ``start_load_kv`` of the step that issued it, never reported
 
 
 class KVWorkerSide:
@@ -184,6 +186,10 @@ class KVWorkerSide:
         self._deletes: set[concurrent.futures.Future[int]] = set()  # corrupt values being removed
         self._stats = AsyncConnKVStats()
         self._issued: AsyncConnKVMetadata | None = None  # the last step's metadata whose loads were issued
+        # A sync load failed this step: what this step computes on top of its blocks is wrong -- for the
+        # request that loaded them and for any other request sharing them through vLLM's prefix cache, which
+        # this side cannot tell apart -- so none of this step's values is saved (vLLM recomputes them).
+        self._sync_failed = False
         self._saver_base = (0, 0)
         self._namers: dict[int, Callable[[bytes], str]] = {}  # rank -> store key of a value hash
         self._closed = False
@@ -241,7 +247,9 @@ class KVWorkerSide:
         now = time.monotonic()
         submit: list[tuple[str, NewTensor | Scattered]] = []
         for spec in meta.loads:
-            load = self._req_loads.setdefault(spec.request_id, _ReqLoad(now, now + self.load_timeout))
+            load = self._req_loads.setdefault(
+                spec.request_id, _ReqLoad(now, now + self.load_timeout, sync=spec.sync)
+            )
             for ref in spec.values:
                 key = self.keys.store_key(ref.value_hash, self.rank)
                 fetch = self._fetches.get(key)
@@ -257,9 +265,48 @@ class KVWorkerSide:
             self.loader.submit_many(submit)
 
     def start_load_kv(self, meta: AsyncConnKVMetadata) -> None:
-        """Issue this step's loads unless bind did (never waits), then collect whatever has landed."""
+        """Issue this step's loads unless bind did, then collect whatever has landed.
+
+        Waits only for sync loads (``kv_sync_loads``): vLLM runs this step's forward on top of them as soon
+        as this returns, so it returns once each one's values are in or have failed (``load_timeout``); a
+        failed value's blocks are reported through ``get_block_ids_with_load_errors`` this same step, and
+        vLLM then drops the step's output for that request and recomputes from the first bad block.
+        """
         self.issue_loads(meta)
         self._poll_loads()
+        if any(spec.sync for spec in meta.loads):
+            self._settle_sync_loads()
+
+    def _settle_sync_loads(self) -> None:
+        """Wait until no sync load has a read outstanding, then settle them (see ``start_load_kv``).
+
+        Past a load's deadline ``_poll_loads`` drops its values; an in-place read already running still
+        writes the request's blocks, so the wait goes on until it ends -- a copy out of memory, as in-place
+        reads are only issued for values the store holds in memory. Only a read that is still running a
+        whole ``load_timeout`` later is left behind, with an error logged: that would be a broken store.
+        """
+        pending = [load for load in self._req_loads.values() if load.sync]
+        give_up = max(load.deadline for load in pending) + self.load_timeout
+        while any(load.remaining for load in pending):
+            now = time.monotonic()
+            if now >= give_up:
+                log.error("KV sync load: reads still running %.1fs past their deadline", self.load_timeout)
+                break
+            soonest = min((load.deadline for load in pending if not load.timed_out), default=give_up)
+            if not self.loader.wait(min(max(soonest - now, 0.0), give_up - now) + 1e-4, first=True):
+                time.sleep(1e-4)  # device copies in flight (the wait returns at once then): poll again soon
+            self._poll_loads()
+        now = time.monotonic()
+        for rid, load in list(self._req_loads.items()):
+            if not load.sync:
+                continue
+            for key in list(load.remaining):  # only after give_up
+                self._drop_target(rid, key, failed=load.failed_blocks)
+            del self._req_loads[rid]
+            if load.failed_blocks:
+                self._sync_failed = True
+                self._load_errors |= load.failed_blocks
+            self._stats.observe("load_latency", now - load.t0)
 
     def _in_place_dest(self, ref: ValueRef) -> Scattered | None:
         """The value's blocks in the cache as its destination, when it can land there directly: a host
@@ -475,9 +522,14 @@ class KVWorkerSide:
         one staging buffer for the step); on CUDA it is gathered here on the current stream (kernel
         launches), value-major, and snapshotted by one D2H on the tracker's side stream into one staging
         span (``submit_stacked``). Nothing here waits for the store or for the GPU.
-        Bookkeeping is per request, not per value.
+        Bookkeeping is per request, not per value. A step in which a sync load failed saves nothing: what
+        its forward computed on top of the failed blocks is wrong (see ``_sync_failed``).
         """
         specs = meta.saves
+        if self._sync_failed:
+            self._sync_failed = False
+            self._had_saves.update(spec.request_id for spec in specs)  # the scheduler holds them: report them
+            specs = []
         if specs:
             assert self.layout is not None, "register_kv_caches was not called"
             if self.saver.copy_thread is not None:
@@ -671,6 +723,7 @@ class KVWorkerSide:
             "had_saves": len(self._had_saves),
             "finishing": len(self._finishing),
             "load_errors": len(self._load_errors),
+            "sync_failed": int(self._sync_failed),
             "deletes": len(self._deletes),
         }
         out.update({f"loader_{k}": v for k, v in self.loader.counters().items()})
@@ -685,6 +738,7 @@ class KVWorkerSide:
         self.saver.close(timeout)
         self._fetches.clear()
         self._req_loads.clear()
+        self._sync_failed = False
         if not self.runtime.closed:
             try:
                 self.runtime.run(self.store.close(), timeout=timeout)

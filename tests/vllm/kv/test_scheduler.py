@@ -237,3 +237,63 @@ def test_a_local_hit_evicted_before_allocation_is_saved_after_all(h: Harness) ->
     assert [ref.value_hash for spec in meta.saves for ref in spec.values] == HASHES[:6]
     h.side.request_finished(request)
     assert not any(h.side.counters().values()), h.side.counters()
+
+
+def test_sync_loads_run_at_once_end_with_their_step_and_lower_what_is_stored_when_they_fail(
+    runtime: Any,
+) -> None:
+    """``kv_sync_loads``: the hit is granted as a synchronous load (vLLM schedules the request in the same
+    step, on top of it), the load is marked sync, a request finished in that step is not held for its load
+    (it ended with the step), and blocks the step reports invalid make their values stored no more, so the
+    recompute saves them."""
+    transport = FakeTransport()
+    client = LookupClient(transport, PREFIX, runtime=runtime, timeout=30.0)
+    h = Harness(
+        KVSchedulerSide(KeySpace(IDENTITY), lookup=client, save=True, sync_loads=True),
+        client,
+        transport,
+        runtime,
+    )
+    try:
+        request = _request("s", 100)  # 6 full one-block values of 16 tokens
+        assert h.side.get_num_new_matched_tokens(request, 16) == (None, False)
+        h.answer_all(4)
+        assert h.side.get_num_new_matched_tokens(request, 16) == (48, False)  # sync: scheduled at once
+        ids = list(range(7, 14))
+        h.side.update_state_after_alloc(request, _blocks(ids), 48)
+        meta = h.side.build_connector_meta(_scheduled_new("s", ids, 64, 36))
+        (load,) = meta.loads
+        assert load.sync and [ref.block_ids for ref in load.values] == [((8,),), ((9,),), ((10,),)]
+        assert [ref.value_hash for spec in meta.saves for ref in spec.values] == HASHES[4:6]
+        # the step reports block 9 (value 2) invalid: values 2.. are stored no more, and are saved again
+        h.side.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids={9}))
+        assert h.side.counters()["sync_loading"] == 0
+        again = _output()
+        again.scheduled_cached_reqs = SimpleNamespace(
+            req_ids=["s"],
+            resumed_req_ids=set(),
+            new_block_ids=[None],
+            num_computed_tokens=[32],
+            new_token_ids=[],
+        )
+        again.num_scheduled_tokens = {"s": 68}
+        meta = h.side.build_connector_meta(again)
+        assert [ref.value_hash for spec in meta.saves for ref in spec.values] == HASHES[2:6]
+        assert h.side.request_finished(request) == (True, None)  # held for its saves only
+        assert (
+            h.side.build_connector_meta(_output(finished=frozenset({"s"}))).finished_via_recv == frozenset()
+        )
+
+        # finished in the very step that loads it (one output token): not held for the load
+        other = _request("t", 100)
+        h.side.get_num_new_matched_tokens(other, 0)
+        h.answer_all(6)
+        assert h.side.get_num_new_matched_tokens(other, 0) == (96, False)
+        h.side.update_state_after_alloc(other, _blocks(list(range(20, 27))), 96)
+        h.side.build_connector_meta(_output())
+        assert h.side.request_finished(other) == (False, None)
+        h.side.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set()))
+        assert not h.side.build_connector_meta(_output(finished=frozenset({"t"}))).finished_via_recv
+        assert not any(h.side.counters().values()), h.side.counters()
+    finally:
+        h.side.shutdown()

@@ -19,7 +19,7 @@ from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, PinnedPool, SaveTracker, StreamLoader
 from asyncconn.vllm.kv.connector import AsyncConnKVConnector
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
-from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, ValueRef
+from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
 from asyncconn.vllm.kv.worker import KVWorkerSide
 
 LAYERS = [f"layer.{i}" for i in range(3)]
@@ -284,5 +284,95 @@ def test_a_request_finished_while_its_in_place_read_runs_is_reported_after_the_r
     _receive(worker, "r")
     assert worker.get_block_ids_with_load_errors() == set()
     assert worker.counters()["fetches"] == 0 and worker.counters()["req_loads"] == 0
+    worker.shutdown()
+    assert not any(worker.counters().values()), worker.counters()
+
+
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_a_sync_load_is_in_when_start_load_kv_returns_and_a_failed_one_fails_the_steps_saves(
+    runtime: Runtime, tmp_path: Path, where: str
+) -> None:
+    """``kv_sync_loads``: vLLM runs the forward right after ``start_load_kv``, so the values must be in the
+    cache when it returns (in place from ``file://``, through staging from ``memory://``); a missing value is
+    a load error of its blocks the same step and the request is never reported in ``finished_recving``; no
+    value that step planned to save is saved -- that request's were computed on top of the missing one, and
+    another request's may have been too (vLLM's prefix cache shares blocks) -- and both requests are still
+    reported in ``finished_sending`` when they finish. The next step saves again."""
+    url = f"file://{tmp_path}/store" if where == "file" else None
+    worker, keys, caches = _worker(runtime, 1, url)
+    values = [torch.randn(len(LAYERS), 1, 2, 16, 8) for _ in range(2)]
+    hashes = [bytes([v + 1]) * 32 for v in range(3)]  # the third is not in the store
+    runtime.run(
+        worker.store.put([(keys.store_key(h, 0), val) for h, val in zip(hashes, values, strict=False)])
+    )
+    refs = tuple(ValueRef(hashes[v], (0,), ((10 + v,),)) for v in range(3))
+    for cache in caches.values():
+        cache[20:22].normal_()
+    saves = [
+        SaveSpec("r", (ValueRef(b"\x09" * 32, (0,), ((20,),)),)),
+        SaveSpec("q", (ValueRef(b"\x0a" * 32, (0,), ((21,),)),)),
+    ]
+    meta = AsyncConnKVMetadata(loads=[LoadSpec("r", refs, sync=True)], saves=saves, step_tokens=40)
+    worker.start_load_kv(meta)
+    for i, name in enumerate(LAYERS):  # in now, without a single poll more
+        for v in range(2):
+            assert torch.equal(caches[name][10 + v], values[v][i, 0]), (name, v)
+    assert worker.get_block_ids_with_load_errors() == {12}
+    worker.save(meta)
+    assert worker.get_finished(set(), step_tokens=40) == (None, None)  # a sync load is never reported
+    sending: set[str] = set()
+    deadline = time.monotonic() + 10
+    while sending != {"r", "q"} and time.monotonic() < deadline:
+        got, _ = worker.get_finished({"r", "q"} - sending)
+        sending |= got or set()
+        time.sleep(0.001)
+    assert sending == {"r", "q"}
+    present = runtime.run(
+        worker.store.exists([keys.store_key(b"\x09" * 32, 0), keys.store_key(b"\x0a" * 32, 0)])
+    )
+    assert present == [False, False]
+    later = AsyncConnKVMetadata(
+        saves=[SaveSpec("p", (ValueRef(b"\x0b" * 32, (0,), ((22,),)),))], step_tokens=1
+    )
+    worker.start_load_kv(later)
+    worker.save(later)
+    deadline = time.monotonic() + 10
+    while worker.saver.pending("p") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert runtime.run(worker.store.exists([keys.store_key(b"\x0b" * 32, 0)])) == [True]
+    while worker.get_finished({"p"})[0] != {"p"} and time.monotonic() < deadline:
+        time.sleep(0.001)
+    worker.shutdown()
+    assert not any(worker.counters().values()), worker.counters()
+
+
+def test_a_sync_load_past_its_timeout_fails_its_blocks_after_the_in_place_read_ends(
+    runtime: Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``load_timeout`` a sync load's value fails (its blocks are recomputed), but ``start_load_kv``
+    returns only once the in-place read writing those blocks has ended: vLLM's recompute writes them next."""
+    worker, keys, _ = _worker(runtime, 1, f"file://{tmp_path}/store")
+    worker.load_timeout = 0.5  # the read ends at 0.75 s: past the deadline, well before the give-up at 1 s
+    runtime.run(worker.store.put([(keys.store_key(b"\x01" * 32, 0), torch.randn(len(LAYERS), 1, 2, 16, 8))]))
+    backend_type = type(worker.store.backend)
+    real = backend_type._read_many  # type: ignore[attr-defined]
+    ended: list[float] = []
+
+    def slow(self: object, reads: object, cached_only: bool = False) -> object:
+        time.sleep(0.75)
+        try:
+            return real(self, reads, cached_only)
+        finally:
+            ended.append(time.monotonic())
+
+    monkeypatch.setattr(backend_type, "_read_many", slow)
+    ref = ValueRef(b"\x01" * 32, (0,), ((5,),))
+    meta = AsyncConnKVMetadata(loads=[LoadSpec("r", (ref,), sync=True)], step_tokens=9)
+    worker.start_load_kv(meta)
+    returned = time.monotonic()
+    assert ended and ended[0] <= returned  # the read had ended
+    worker.save(meta)
+    assert worker.get_block_ids_with_load_errors() == {5}
+    assert worker.get_finished(set(), step_tokens=9) == (None, None)
     worker.shutdown()
     assert not any(worker.counters().values()), worker.counters()
