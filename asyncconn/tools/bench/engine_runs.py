@@ -129,13 +129,11 @@ def ttft_bench(
             "asyncconn file://, 4 blocks per value": lambda: kv_config(
                 backend_url=f"file://{workdir / 'store-4'}", kv_blocks_per_value=4
             ),
-            "asyncconn file://, sync loads": lambda: kv_config(
-                backend_url=f"file://{workdir / 'store'}", kv_sync_loads=True
-            ),
+            _SYNC_LOADS: lambda: kv_config(backend_url=f"file://{workdir / 'store'}", kv_sync_loads=True),
             "asyncconn redis://": lambda: kv_config(backend_url=redis_url),
             example_name: lambda: _example_connector(workdir / "example"),
         }
-        _fill_stores(model, {k: v for k, v in loaders.items() if "sync" not in k}, texts, engine_args)
+        _fill_stores(model, _store_owners(loaders), texts, engine_args)
         _say("recompute (no connector): a fresh engine's time to first token")
         results: dict[str, list[float]] = {"recompute (no connector)": timed(None, 1)}
         per_round: dict[str, list[float]] = {name: [] for name in loaders}
@@ -203,12 +201,10 @@ def stall_bench(
     example_name = "vLLM ExampleConnector"
     configs: dict[str, Callable[[], Any]] = {
         "asyncconn file://": lambda: kv_config(backend_url=f"file://{workdir / 'store'}"),
-        "asyncconn file://, sync loads": lambda: kv_config(
-            backend_url=f"file://{workdir / 'store'}", kv_sync_loads=True
-        ),
+        _SYNC_LOADS: lambda: kv_config(backend_url=f"file://{workdir / 'store'}", kv_sync_loads=True),
         example_name: lambda: _example_connector(workdir / "example"),
     }
-    _fill_stores(model, {k: v for k, v in configs.items() if "sync" not in k}, long_prompts, engine_args)
+    _fill_stores(model, _store_owners(configs), long_prompts, engine_args)
 
     def measured(make: Callable[[], Any]) -> list[dict[str, float]]:
         llm = make_llm(model, kv=make(), **engine_args)
@@ -292,6 +288,17 @@ def stall_bench(
 
 #: Decode steps timed before each long prompt arrives (its baseline).
 _LEAD = 8
+
+
+#: asyncconn over ``file://`` with ``kv_sync_loads``: it reads the store of plain ``asyncconn file://``.
+_SYNC_LOADS = "asyncconn file://, sync loads"
+#: Configs that load from another config's store (the same URL): filled once, by that one.
+_SHARED_STORE = frozenset({_SYNC_LOADS})
+
+
+def _store_owners(configs: dict[str, Callable[[], Any]]) -> dict[str, Callable[[], Any]]:
+    """The configs whose store ``_fill_stores`` fills (see ``_SHARED_STORE``)."""
+    return {name: make for name, make in configs.items() if name not in _SHARED_STORE}
 
 
 def _fill_stores(
