@@ -388,10 +388,12 @@ def test_lookups_through_a_lookup_server(make_sim: Any, runtime: Any) -> None:
         runtime.run(server.close(), timeout=10)
 
 
+@pytest.mark.parametrize("sync_loads", [False, True], ids=["async-loads", "sync-loads"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_workload_with_aborts_and_preemptions(make_sim: Any, seed: int) -> None:
+def test_random_workload_with_aborts_and_preemptions(make_sim: Any, seed: int, sync_loads: bool) -> None:
     """Shared prefixes, a small KV pool (preemptions), a slow store and aborts at random moments: KV correct
-    after every step on both ranks, every request finished, nothing left anywhere."""
+    after every step on both ranks, every request finished, nothing left anywhere -- with asynchronous loads
+    and with sync loads (``kv_sync_loads``)."""
     import random
 
     rng = random.Random(seed)
@@ -410,7 +412,7 @@ def test_random_workload_with_aborts_and_preemptions(make_sim: Any, seed: int) -
 
     def tp_sim() -> Any:
         sim = make_sim(
-            kv=kv_spec(url, kv_blocks_per_value=bpv),
+            kv=kv_spec(url, kv_blocks_per_value=bpv, kv_sync_loads=sync_loads),
             num_workers=2,
             shape=SimShape(num_blocks=24),
             max_num_seqs=8,
