@@ -286,6 +286,8 @@ class KVWorkerSide:
         whole ``load_timeout`` later is left behind, with an error logged: that would be a broken store.
         """
         pending = [load for load in self._req_loads.values() if load.sync]
+        if not pending:
+            return
         give_up = max(load.deadline for load in pending) + self.load_timeout
         while any(load.remaining for load in pending):
             now = time.monotonic()
