@@ -54,3 +54,31 @@ def save_prompts(text_model: Path, url: str, **extra: Any) -> None:
         assert probe.kv_worker_connector().worker_side.saver.saved > 0
     finally:
         close_llm(llm)
+
+
+def record_forwards(probe: Probe, events: list[str], monkeypatch: Any) -> None:
+    """Append ``"forward"`` to ``events`` each time the engine runs its model (the order tests check)."""
+    forward = probe.runner._model_forward
+
+    def model_forward(*args: Any, **kwargs: Any) -> Any:
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(probe.runner, "_model_forward", model_forward)
+
+
+def assert_store_serves_cleanly(
+    text_model: Path, url: str, engines: list[Any], kv_reference: dict[str, Any]
+) -> None:
+    """A fresh engine on ``url`` loads :data:`PROMPTS` with no failed load, tokens and KV bytes equal to the
+    reference's: what the store holds is good."""
+    llm = make_llm(text_model, kv=kv_config(backend_url=url))
+    engines.append(llm)
+    probe = Probe(llm)
+    assert generate(llm, PROMPTS) == kv_reference["tokens"]
+    loader = probe.kv_worker_connector().worker_side.loader
+    assert loader.loaded > 0 and not loader.failures
+    assert probe.metrics()["vllm:external_prefix_cache_hits"] > 0
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
+    assert_idle(probe)

@@ -20,6 +20,7 @@ from tests.engine.kvcase import (
     assert_idle,
     assert_same_kv,
     generate,
+    record_forwards,
     sampling,
     save_prompts,
 )
@@ -119,19 +120,15 @@ def test_loads_start_before_the_forward_of_the_step_that_plans_them(
     probe = Probe(second)
     worker = probe.kv_worker_connector().worker_side
     events: list[str] = []
-    issue, forward = worker.issue_loads, probe.runner._model_forward
+    issue = worker.issue_loads
 
     def issue_loads(meta: Any) -> None:
         if meta.loads and meta is not worker._issued:
             events.append("issue")
         issue(meta)
 
-    def model_forward(*args: Any, **kwargs: Any) -> Any:
-        events.append("forward")
-        return forward(*args, **kwargs)
-
     monkeypatch.setattr(worker, "issue_loads", issue_loads)
-    monkeypatch.setattr(probe.runner, "_model_forward", model_forward)
+    record_forwards(probe, events, monkeypatch)
     engine = second.llm_engine
     busy = [7 + (i * 37) % 900 for i in range(40)]  # shares no block with PROMPTS
     engine.add_request("busy", {"prompt_token_ids": busy}, sampling(64))
@@ -172,18 +169,14 @@ def test_sync_loads_land_before_the_forward_of_the_step_that_schedules_the_reque
     probe = Probe(second)
     worker = probe.kv_worker_connector().worker_side
     events: list[str] = []
-    settle, forward = worker._settle_sync_loads, probe.runner._model_forward
+    settle = worker._settle_sync_loads
 
     def settled() -> None:
         settle()
         events.append("loaded" if not worker.counters()["req_loads"] else "not loaded")
 
-    def model_forward(*args: Any, **kwargs: Any) -> Any:
-        events.append("forward")
-        return forward(*args, **kwargs)
-
     monkeypatch.setattr(worker, "_settle_sync_loads", settled)
-    monkeypatch.setattr(probe.runner, "_model_forward", model_forward)
+    record_forwards(probe, events, monkeypatch)
     engine = second.llm_engine
     engine.add_request("loaded", {"prompt_token_ids": PROMPTS[0]}, sampling(8))
     scheduler = engine.engine_core.engine_core.scheduler

@@ -17,7 +17,15 @@ import pytest
 from asyncconn_backends.file import FileBackend
 
 from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
-from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate, sampling, save_prompts
+from tests.engine.kvcase import (
+    PROMPTS,
+    assert_idle,
+    assert_same_kv,
+    assert_store_serves_cleanly,
+    generate,
+    sampling,
+    save_prompts,
+)
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.vllm
@@ -239,15 +247,7 @@ def test_corrupt_stored_values_are_recomputed(
     assert_idle(probe)
     close_llm(llm)
     engines.remove(llm)
-    third = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}"))
-    engines.append(third)
-    probe = Probe(third)
-    assert generate(third, PROMPTS) == kv_reference["tokens"]
-    loader = probe.kv_worker_connector().worker_side.loader
-    assert loader.loaded > 0 and not loader.failures
-    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
-        assert_same_kv(probe.prompt_kv(prompt), want)
-    assert_idle(probe)
+    assert_store_serves_cleanly(text_model, f"file://{root}", engines, kv_reference)
     assert BLOCK_SIZE == 32
 
 
@@ -287,13 +287,4 @@ def test_a_failed_sync_load_saves_nothing_computed_on_top_of_it(
     assert_idle(probe)
     close_llm(llm)
     engines.remove(llm)
-    third = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}"))
-    engines.append(third)
-    probe = Probe(third)
-    assert generate(third, PROMPTS) == kv_reference["tokens"]
-    loader = probe.kv_worker_connector().worker_side.loader
-    assert loader.loaded > 0 and not loader.failures
-    assert probe.metrics()["vllm:external_prefix_cache_hits"] > 0
-    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
-        assert_same_kv(probe.prompt_kv(prompt), want)
-    assert_idle(probe)
+    assert_store_serves_cleanly(text_model, f"file://{root}", engines, kv_reference)
