@@ -261,12 +261,12 @@ class KVSchedulerSide:
                 state.stored_values = min(state.stored_values, *bad)
             state.loading = None
         if invalid and self.sync_loads:
-            tpv = self.keys.blocks_per_value
+            bpv = self.keys.blocks_per_value
             for state in self._reqs.values():
                 for group in state.block_ids:
                     first = next((i for i, b in enumerate(group) if b in invalid), None)
                     if first is not None:
-                        state.stored_values = min(state.stored_values, first // tpv)
+                        state.stored_values = min(state.stored_values, first // bpv)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """True -- keep the blocks -- while a save may read them or a load may write them.
