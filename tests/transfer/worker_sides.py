@@ -90,9 +90,11 @@ def saves_reported(worker: KVWorkerSide, rid: str) -> None:
     assert sent == {rid}, "the saves were not reported"
 
 
-def kv_round_trip(where: str, *, copy_thread: bool | None = None) -> None:
+def kv_round_trip(where: str, *, copy_thread: bool | None = None, sync: bool = False) -> None:
     """KV values saved from blocks 4..7 of a ``[2, num_blocks, ...]`` cache, the blocks rewritten at once
-    (preemption), then loaded back into blocks 40..43 while the default stream computes: equal bytes."""
+    (preemption), then loaded back into blocks 40..43 while the default stream computes: equal bytes.
+    ``sync``: a sync load (``kv_sync_loads``), read from the default stream as soon as ``start_load_kv``
+    returns -- as vLLM's forward does -- and never reported."""
     from asyncconn.runtime import Runtime
     from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
 
@@ -112,6 +114,17 @@ def kv_round_trip(where: str, *, copy_thread: bool | None = None) -> None:
         side = 2048 if where == "cuda" else 64
         a = torch.randn(side, side, device=where)
         targets = tuple(ValueRef(hashes[v], (0, 1), ((40 + 2 * v, 41 + 2 * v),)) for v in range(2))
+        if sync:
+            worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("r2", targets, sync=True)]))
+            read = {n: caches[n][:, 40:44].clone() for n in layers}  # queued after the load's writes
+            assert worker.get_block_ids_with_load_errors() == set()
+            assert worker.get_finished(set()) == (None, None)
+            _sync(where)
+            for n in layers:
+                assert torch.equal(read[n], saved[n]), f"{n}: the forward would not read the saved bytes"
+            worker.shutdown()
+            assert not any(worker.counters().values()), worker.counters()
+            return
         worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("r2", targets)]))
         for _ in range(10):
             a = a @ a  # default-stream work while the loads run on the loader's side stream

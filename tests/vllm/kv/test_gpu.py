@@ -31,6 +31,12 @@ def test_blocks_round_trip_through_the_store(where: str) -> None:
     kv_round_trip(where)
 
 
+@pytest.mark.parametrize("where", DEVICES)
+def test_a_sync_load_is_in_its_blocks_for_the_next_kernel_on_the_default_stream(where: str) -> None:
+    """``kv_sync_loads``: vLLM's forward runs on the default stream right after ``start_load_kv``."""
+    kv_round_trip(where, sync=True)
+
+
 def test_blocks_round_trip_through_synchronous_snapshots() -> None:
     """CUDA's save flow (the step gathered on vLLM's thread, one snapshot of the stack) on CPU tensors."""
     kv_round_trip("cpu", copy_thread=False)
