@@ -85,6 +85,25 @@ def test_bench_backend_json(url: str | None) -> None:
         assert "memory_roundtrip" in result
 
 
+@pytest.mark.slow
+def test_bench_align_json(tmp_path: Path) -> None:
+    r = _cli(
+        "bench", "align", "--values", "4", "--size", "8KiB", "--ranks", "2,6", "--rounds", "1",
+        "--dir", str(tmp_path), "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["size"] == 8192 and [row["distance"] for row in result["copy"]][:2] == [0, 8]
+    assert result["copy"][0]["slowdown"] == 1.0
+    rows = {row["rank"]: row for row in result["ranks"]}
+    assert (rows[2]["v1_header"], rows[2]["v2_header"], rows[6]["v1_header"], rows[6]["v2_header"]) == (
+        40, 64, 72, 128
+    )  # fmt: skip
+    assert rows[2]["store"]["gbps"] > 0 and rows[6]["page_offset_0"]["v2_ms"] > 0
+    assert list(tmp_path.iterdir()) == []  # its files are gone
+    assert _cli("bench", "align", "--ranks", "17").returncode == 2
+
+
 def test_bench_backend_redis_reports_vs_redis_benchmark(redis_server: RedisServer) -> None:
     r = _cli(
         "bench",

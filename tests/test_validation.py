@@ -200,6 +200,7 @@ PREFIX = {
     "bench kv": ["bench", "kv"],
     "bench lookup": ["bench", "lookup"],
     "bench transfer": ["bench", "transfer"],
+    "bench align": ["bench", "align"],
     "bench engine": ["bench", "engine"],
     "bench gpu": ["bench", "gpu"],
     "bench ec-sim": ["bench", "ec-sim"],

@@ -26,6 +26,7 @@ _BENCHES: dict[str, tuple[str, str]] = {
     "backend": ("asyncconn.tools.bench.backend", "put/get/exists throughput and latency of a store"),
     "lookup": ("asyncconn.tools.bench.lookup", "lookup client cost on the caller's thread and throughput"),
     "transfer": ("asyncconn.tools.bench.transfer", "stream loader and save tracker figures"),
+    "align": ("asyncconn.tools.bench.align", "direct reads by payload alignment: why frames pad to 64 bytes"),
     "engine": (
         "asyncconn.tools.bench.engine",
         "vLLM's real engine: TTFT on a shared prefix vs recompute, decode with/without, EC per request",

@@ -6,11 +6,13 @@ What is proven, each by a check that fails if the path was not taken:
   engine releases to it (docs/ec.md: vLLM's V1 runner calls no EC hook on an empty step);
 - PD used the stored embeddings: a store holding valid but *different* embeddings changes PD's output for
   exactly the requests it loaded;
-- a corrupt stored value is encoded locally, and every connector structure is back to zero afterwards.
+- a corrupt stored value is encoded locally, and every connector structure is back to zero afterwards;
+  PD removes it, so E's next run (which skips keys the store has) writes the good value again.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,9 @@ def run(model: Path, role: str | None, url: str, params: list[Any] | None = None
             scheduler = probe.ec_scheduler_connector().scheduler_side
             worker = probe.ec_worker_connector().worker_side
             worker.poll()
+            deadline = time.monotonic() + 5  # corrupt values being removed (fire and forget)
+            while worker.counters()["deletes"] and time.monotonic() < deadline:
+                time.sleep(0.01)
             out["scheduler_counters"] = scheduler.counters()
             out["worker_counters"] = worker.counters()
             out["worker"] = worker
@@ -113,6 +118,19 @@ def stored(url: str, hashes: list[str]) -> list[torch.Tensor | None]:
             await store.close()
 
     return get_runtime().run(read(), 30)
+
+
+def present(url: str, hashes: list[str]) -> list[bool]:
+    """Whether the store holds a value (good or bad) under each item's key."""
+
+    async def exists() -> list[bool]:
+        store = await TensorStore.open(url)
+        try:
+            return await store.exists([store_key(PREFIX, h) for h in hashes])
+        finally:
+            await store.close()
+
+    return get_runtime().run(exists(), 30)
 
 
 def rewrite(url: str, values: dict[str, torch.Tensor]) -> None:
@@ -193,3 +211,16 @@ def test_a_corrupt_stored_embedding_is_encoded_locally(
     assert len(pd["encoded"]) == N
     assert pd["worker"].loader.loaded == 0
     assert_idle(pd)
+    # Every value PD tried to load is gone (the one request an idle engine encodes itself may not have
+    # tried); E, skipping keys the store has, writes exactly those again, byte for byte.
+    hashes = hashes_of(produced["params"])
+    left = [h for h, there in zip(hashes, present(produced["url"], hashes), strict=True) if there]
+    assert len(left) <= 1, left
+    again = run(vision_model, "ec_producer", produced["url"])
+    assert again["worker_counters"]["deletes"] == 0
+    for h, value in zip(hashes, stored(produced["url"], hashes), strict=True):
+        if h in left:
+            assert value is None  # still damaged: a miss on read, and E skipped it as stored
+        else:
+            assert value is not None, h
+            assert any(e.shape == value.shape and torch.equal(e, value) for e in again["encoded"]), h

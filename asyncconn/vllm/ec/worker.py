@@ -35,8 +35,9 @@ from asyncconn.config import Settings
 from asyncconn.lookup.protocol import store_key
 from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import LoadResult, NewTensor, PinnedPool, SaveTracker, StreamLoader
+from asyncconn.transfer import Failure, LoadResult, NewTensor, PinnedPool, SaveTracker, StreamLoader
 from asyncconn.transfer._device import LOAD_PRIORITY, SAVE_PRIORITY, TransferDevice, default_device
+from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport, ItemRef
 
 __all__ = ["ECWorkerSide"]
@@ -71,6 +72,7 @@ class ECWorkerSide:
         self._owns_store = store is None
         self.store = store if store is not None else self._open_store()
         self.pool = PinnedPool(settings.pinned_pool_bytes, device=self.device)
+        self._purger = Purger(self.runtime, self.store)  # corrupt values being removed
         self.loader: StreamLoader | None = None
         self.saver: SaveTracker | None = None
         if consumer:
@@ -179,6 +181,8 @@ class ECWorkerSide:
             self._stats["loaded_bytes"] += tensor.numel() * tensor.element_size()
             return mm_hash, tensor
         reason = result.failure.value if result.failure is not None else "corrupt"
+        if result.failure is Failure.CORRUPT:  # E skips keys the store has: gone, its next save writes it
+            self._purger.remove(result.key)
         if result.ok:
             log.warning(
                 "EC item %s: stored embedding has shape %s, expected %d rows",
@@ -270,6 +274,7 @@ class ECWorkerSide:
         if self.saver is not None:
             out.update({f"saver_{k}": v for k, v in self.saver.counters().items()})
         out["pool_buffers_out"] = self.pool.buffers_out
+        out["deletes"] = self._purger.pending
         return out
 
     def close(self, timeout: float = 5.0) -> None:

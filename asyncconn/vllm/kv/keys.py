@@ -29,8 +29,10 @@ from asyncconn.lookup.protocol import store_key
 
 __all__ = ["KEY_FORMAT", "KeySpace", "KVIdentity"]
 
-#: Bumped whenever the value layout changes, so old values can never be read as new ones.
-KEY_FORMAT = 1
+#: Bumped whenever the value layout changes, so old values can never be read as new ones. 2: frames pad
+#: their header to 64 bytes (``codec.FORMAT_VERSION`` 2); a new namespace makes the values an earlier build
+#: wrote plain misses, not failed loads.
+KEY_FORMAT = 2
 _DIGEST = 16
 
 

@@ -44,11 +44,12 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncconn import codec
-from asyncconn.exceptions import AsyncConnError, ConfigError, RuntimeClosed
+from asyncconn.exceptions import AsyncConnError, ConfigError
 from asyncconn.runtime import Runtime
 from asyncconn.store import Scattered, TensorStore
 from asyncconn.transfer import CpuDevice, Failure, LoadResult, NewTensor, SaveTracker, StreamLoader
 from asyncconn.transfer.lazy import Pieces, Shared
+from asyncconn.transfer.purge import Purger
 from asyncconn.transfer.runs import runs
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, SaveSpec, ValueRef
@@ -183,7 +184,7 @@ class KVWorkerSide:
         self._had_saves: set[str] = set()  # requests whose blocks the scheduler keeps for our saves
         self._finishing: set[str] = set()  # finished by vLLM, to report in finished_sending
         self._save_t0: dict[str, float] = {}
-        self._deletes: set[concurrent.futures.Future[int]] = set()  # corrupt values being removed
+        self._purger = Purger(self.runtime, self.store)  # corrupt values being removed
         self._stats = AsyncConnKVStats()
         self._issued: AsyncConnKVMetadata | None = None  # the last step's metadata whose loads were issued
         # A sync load failed this step: what this step computes on top of its blocks is wrong -- for the
@@ -389,7 +390,7 @@ class KVWorkerSide:
             self._stats.add("load_failures")
             log.debug("KV value %s not loaded (%s): %s", result.key, result.failure, result.detail)
             if result.failure is Failure.CORRUPT:
-                self._delete(result.key)
+                self._purger.remove(result.key)
         block_size = self.keys.identity.block_size
         for rid, ref in fetch.targets:
             load = self._req_loads.get(rid)
@@ -410,16 +411,6 @@ class KVWorkerSide:
             else:  # the lent staging buffer (CPU): written out now, before the loader takes it back
                 self._scatter(value, ref)
             self._stats.add("tokens_loaded", len(ref.positions) * block_size)
-
-    def _delete(self, key: str) -> None:
-        """Remove a corrupt value, so the request that recomputes it can save a good one (a save skips
-        keys the store says it has). Fire and forget on the loop; a failure only leaves the bad value."""
-        try:
-            future = self.runtime.submit(self.store.delete([key]))
-        except RuntimeClosed:
-            return
-        self._deletes.add(future)
-        future.add_done_callback(self._deletes.discard)
 
     def _scatter(self, value: torch.Tensor, ref: ValueRef) -> None:
         """Write the value's blocks at ``ref.positions`` into every layer, at the request's block ids."""
@@ -726,7 +717,7 @@ class KVWorkerSide:
             "finishing": len(self._finishing),
             "load_errors": len(self._load_errors),
             "sync_failed": int(self._sync_failed),
-            "deletes": len(self._deletes),
+            "deletes": self._purger.pending,
         }
         out.update({f"loader_{k}": v for k, v in self.loader.counters().items()})
         out.update({f"saver_{k}": v for k, v in self.saver.counters().items()})

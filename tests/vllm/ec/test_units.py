@@ -106,12 +106,18 @@ def test_install_without_prefetch_loads_synchronously(runtime: Runtime, store: T
 
 
 @pytest.mark.parametrize(
-    ("value", "reason"),
-    [(None, "miss"), (b"not a frame at all", "corrupt"), (torch.zeros(5, 16), "corrupt")],
+    ("value", "reason", "then"),
+    [
+        (None, "miss", "miss"),
+        # Not a frame: removed from the store (E skips keys the store has; gone, its next save writes it).
+        (b"not a frame at all", "corrupt", "miss"),
+        # A valid frame of other rows may be another deployment's value under a shared key: kept.
+        (torch.zeros(5, 16), "corrupt", "corrupt"),
+    ],
     ids=["missing", "garbage", "wrong-rows"],
 )
 def test_failed_loads_are_reported_never_installed(
-    runtime: Runtime, store: TensorStore, url: str, value: Any, reason: str
+    runtime: Runtime, store: TensorStore, url: str, value: Any, reason: str, then: str
 ) -> None:
     if isinstance(value, torch.Tensor):
         put(runtime, store, "img-f", value)
@@ -121,9 +127,13 @@ def test_failed_loads_are_reported_never_installed(
     cache: dict[str, torch.Tensor] = {}
     worker.start_load_caches(cache, ECStepMetadata(prefetch=[ItemRef("img-f", 6)]))
     assert settle(worker, {"img-f"}).failed == {"img-f": reason}
+    deadline = time.monotonic() + 5
+    while worker.counters()["deletes"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runtime.run(store.exists(["img-f"]), 5) == [then != "miss"]
     worker.start_load_caches(cache, ECStepMetadata(install=[ItemRef("img-f", 6)]))  # sync path fails too
     assert "img-f" not in cache
-    assert worker.report().failed == {"img-f": reason}
+    assert worker.report().failed == {"img-f": then}
     assert all(v == 0 for v in worker.counters().values())
     worker.close()
 
