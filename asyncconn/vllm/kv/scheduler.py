@@ -39,8 +39,7 @@ class _Req:
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     stored_values: int = 0  # leading values present in the store or already planned for saving
     had_saves: bool = False
-    loading: dict[int, frozenset[int]] | None = None  # value index -> blocks being loaded into
-    sync_load: bool = False  # ``loading`` is a sync load: done by the end of the step that planned it
+    loading: dict[int, frozenset[int]] | None = None  # value index -> blocks an async load writes
 
 
 class KVSchedulerSide:
@@ -71,7 +70,6 @@ class KVSchedulerSide:
         self._local: dict[str, int] = {}  # request id -> values in vLLM's own prefix cache, until allocated
         self._loads: list[LoadSpec] = []  # planned since the last build_connector_meta
         self._via_recv: set[str] = set()  # finished while loading, since the last build_connector_meta
-        self._sync_loading: set[str] = set()  # sync loads planned; settled by the step's connector output
         self._stats = AsyncConnKVStats()
         self._lookups_seen = 0  # lookup latencies recorded at the last stats() (its fast path)
 
@@ -148,16 +146,15 @@ class KVSchedulerSide:
         first_block = end_block - num_external_tokens // block_size
         hashes = self.keys.value_hashes(request.block_hashes)
         values: list[ValueRef] = []
-        loading: dict[int, frozenset[int]] = {}
         for v in range(first_block // bpv, hit):
             positions = tuple(j for j in range(bpv) if v * bpv + j >= first_block)
             ids = tuple(tuple(g[v * bpv + j] for j in positions) for g in groups)
             values.append(ValueRef(hashes[v], positions, ids))
-            loading[v] = frozenset(b for g in ids for b in g)
-        state.loading = loading
-        state.sync_load = self.sync_loads
-        if self.sync_loads:
-            self._sync_loading.add(rid)
+        if not self.sync_loads:  # a sync load ends with its step (``update_connector_output``)
+            first = first_block // bpv
+            state.loading = {
+                first + i: frozenset(b for g in ref.block_ids for b in g) for i, ref in enumerate(values)
+            }
         self._loads.append(LoadSpec(rid, tuple(values), sync=self.sync_loads))
 
     # -- every step ------------------------------------------------------------------------------------
@@ -242,17 +239,14 @@ class KVSchedulerSide:
     def update_connector_output(self, output: Any) -> None:
         """A received request's blocks are the scheduler's again; failed values are saved anew later.
 
-        A sync load is settled by the output of the step that planned it (the workers waited for it). Its
-        failed blocks may be shared, through vLLM's prefix cache, by requests that computed on top of them
-        in that step; vLLM recomputes those too, and the workers saved nothing that step, so every request
-        holding an invalid block saves again from the value that holds it.
+        A sync load ends with the step that planned it (the workers waited for it), so nothing is kept for
+        it. Its failed blocks may be shared, through vLLM's prefix cache, by requests that computed on top
+        of them in that step; vLLM recomputes those too, and the workers saved nothing that step, so every
+        request holding an invalid block -- the one that loaded it included -- saves again from the value
+        that holds it.
         """
         invalid = set(output.invalid_block_ids or ())
-        settled = set(output.finished_recving or ())
-        if self._sync_loading:
-            settled |= self._sync_loading
-            self._sync_loading.clear()
-        for rid in settled:
+        for rid in output.finished_recving or ():
             state = self._reqs.get(rid)
             if state is None or state.loading is None:
                 continue
@@ -280,7 +274,7 @@ class KVSchedulerSide:
         self._forget(rid)
         if state is None:
             return False, None
-        if state.loading is not None and not state.sync_load:  # a sync load ended with its step
+        if state.loading is not None:
             self._via_recv.add(rid)
             return True, None
         return state.had_saves, None
@@ -316,7 +310,6 @@ class KVSchedulerSide:
             "local_hits": len(self._local),
             "planned_loads": len(self._loads),
             "finished_via_recv": len(self._via_recv),
-            "sync_loading": len(self._sync_loading),
         }
         if self.lookup is not None:
             out.update({f"lookup_{k}": v for k, v in self.lookup.counters().items()})
@@ -328,6 +321,5 @@ class KVSchedulerSide:
         self._local.clear()
         self._loads.clear()
         self._via_recv.clear()
-        self._sync_loading.clear()
         if self.lookup is not None:
             self.lookup.close()
