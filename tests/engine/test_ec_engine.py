@@ -13,9 +13,9 @@ What is proven, each by a check that fails if the path was not taken:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -40,6 +40,7 @@ pytestmark = pytest.mark.vllm
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PREFIX = "ec:"  # the examples' key_prefix
 
+T = TypeVar("T")
 N = 6
 SAMPLING = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
@@ -109,39 +110,30 @@ def produced(vision_model: Path, tmp_path: Path, reference: dict[str, Any]) -> I
     yield out
 
 
-def stored(url: str, hashes: list[str]) -> list[torch.Tensor | None]:
-    async def read() -> list[torch.Tensor | None]:
+def on_store(url: str, use: Callable[[TensorStore], Awaitable[T]]) -> T:
+    """``use`` a store opened on ``url`` (closed afterwards), from this test's thread."""
+
+    async def call() -> T:
         store = await TensorStore.open(url)
         try:
-            return await store.get([store_key(PREFIX, h) for h in hashes])
+            return await use(store)
         finally:
             await store.close()
 
-    return get_runtime().run(read(), 30)
+    return get_runtime().run(call(), 30)
+
+
+def stored(url: str, hashes: list[str]) -> list[torch.Tensor | None]:
+    return on_store(url, lambda store: store.get([store_key(PREFIX, h) for h in hashes]))
 
 
 def present(url: str, hashes: list[str]) -> list[bool]:
     """Whether the store holds a value (good or bad) under each item's key."""
-
-    async def exists() -> list[bool]:
-        store = await TensorStore.open(url)
-        try:
-            return await store.exists([store_key(PREFIX, h) for h in hashes])
-        finally:
-            await store.close()
-
-    return get_runtime().run(exists(), 30)
+    return on_store(url, lambda store: store.exists([store_key(PREFIX, h) for h in hashes]))
 
 
 def rewrite(url: str, values: dict[str, torch.Tensor]) -> None:
-    async def write() -> None:
-        store = await TensorStore.open(url)
-        try:
-            await store.put([(store_key(PREFIX, h), v) for h, v in values.items()])
-        finally:
-            await store.close()
-
-    get_runtime().run(write(), 30)
+    on_store(url, lambda store: store.put([(store_key(PREFIX, h), v) for h, v in values.items()]))
 
 
 def hashes_of(params: list[Any]) -> list[str]:
