@@ -181,7 +181,9 @@ class ECWorkerSide:
             self._stats["loaded_bytes"] += tensor.numel() * tensor.element_size()
             return mm_hash, tensor
         reason = result.failure.value if result.failure is not None else "corrupt"
-        if result.failure is Failure.CORRUPT:  # E skips keys the store has: gone, its next save writes it
+        if result.ok or result.failure is Failure.CORRUPT:
+            # There but unusable here (damaged, another format, other rows or dtype). E skips keys the
+            # store has, so it would stay; once deleted, E's next encode of the item writes it again.
             self._purger.remove(result.key)
         if result.ok:
             log.warning(

@@ -109,10 +109,10 @@ def test_install_without_prefetch_loads_synchronously(runtime: Runtime, store: T
     ("value", "reason", "then"),
     [
         (None, "miss", "miss"),
-        # Not a frame: removed from the store (E skips keys the store has; gone, its next save writes it).
+        # There but unusable (not a frame; a frame of other rows): removed from the store, since E skips
+        # keys the store has; once gone, E's next save of the item writes it again.
         (b"not a frame at all", "corrupt", "miss"),
-        # A valid frame of other rows may be another deployment's value under a shared key: kept.
-        (torch.zeros(5, 16), "corrupt", "corrupt"),
+        (torch.zeros(5, 16), "corrupt", "miss"),
     ],
     ids=["missing", "garbage", "wrong-rows"],
 )
