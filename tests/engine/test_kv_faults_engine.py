@@ -2,8 +2,8 @@
 
 Aborts while a lookup, a load or a save is in flight, and while a read writes a request's blocks in place;
 preemption under a small KV cache with chunked prefill; a store killed before and during loads; a store
-hung during sync loads; corrupt values. Each ends with the engine healthy (greedy tokens and KV bytes equal
-a reference engine's) and every connector structure and KV block back to zero.
+hung or killed during sync loads; corrupt values. Each ends with the engine healthy (greedy tokens and KV
+bytes equal a reference engine's) and every connector structure and KV block back to zero.
 """
 
 from __future__ import annotations
@@ -290,18 +290,21 @@ def test_a_failed_sync_load_saves_nothing_computed_on_top_of_it(
     assert_store_serves_cleanly(text_model, f"file://{root}", engines, kv_reference)
 
 
-def test_a_store_hung_during_a_sync_load_holds_the_step_no_longer_than_load_timeout(
+@pytest.mark.parametrize("fault", ["hung", "killed"])
+def test_a_store_hung_or_killed_during_a_sync_load_holds_the_step_no_longer_than_load_timeout(
     text_model: Path,
     engines: list[Any],
     kv_reference: dict[str, Any],
     fresh_redis: RedisServer,
     monkeypatch: pytest.MonkeyPatch,
+    fault: str,
 ) -> None:
     """``kv_sync_loads``: vLLM's thread waits in ``start_load_kv`` for the step's loads, the one wait its
-    contract demands. The store stops answering (SIGSTOP) the moment the first sync loads are issued, with
-    their reads in flight: that step's wait ends within its bound (``load_timeout`` past the load's own
-    deadline), the blocks are recomputed (tokens and KV bytes equal the reference's), nothing hangs, and
-    once the store answers again every connector structure is back to zero."""
+    contract demands. The store stops answering (SIGSTOP) or dies (SIGKILL) the moment the first sync loads
+    are issued, with their reads in flight: that step's wait ends within its bound (``load_timeout`` past
+    the load's own deadline; a hung store's reads take their whole timeout), the blocks are recomputed
+    (tokens and KV bytes equal the reference's), nothing hangs, and every connector structure is back to
+    zero afterwards (once a hung store answers again; a dead one stays dead)."""
     save_prompts(text_model, fresh_redis.url)
     timeouts = {"store_timeout": "1s", "lookup_timeout": "1s", "load_timeout": "1s"}
     llm = make_llm(text_model, kv=kv_config(backend_url=fresh_redis.url, kv_sync_loads=True, **timeouts))
@@ -316,7 +319,10 @@ def test_a_store_hung_during_a_sync_load_holds_the_step_no_longer_than_load_time
     def issue_then_hang(meta: Any) -> Any:
         out = issue_loads(meta)
         if any(spec.sync for spec in meta.loads) and not waits:
-            fresh_redis.pause()
+            if fault == "hung":
+                fresh_redis.pause()
+            else:
+                fresh_redis.kill()
         return out
 
     def timed(meta: Any) -> None:
@@ -338,8 +344,11 @@ def test_a_store_hung_during_a_sync_load_holds_the_step_no_longer_than_load_time
         assert generate(llm, PROMPTS) == kv_reference["tokens"]
         assert time.monotonic() - started < 30, "the engine waited on a hung store"
     finally:
-        fresh_redis.resume()
-    assert waits and 0.9 < waits[0] < 3.5, waits  # the load's deadline (1 s), at most 1 s more, slack
+        if fault == "hung":
+            fresh_redis.resume()
+    assert waits and waits[0] < 3.5, waits  # the load's deadline (1 s), at most 1 s more, slack
+    if fault == "hung":
+        assert waits[0] > 0.9, waits  # the reads were in flight on the stopped store: their timeout
     assert reported, "no block was reported for recompute"
     for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)
