@@ -298,14 +298,21 @@ async def test_cached_only_reads_come_from_the_page_cache_or_not_at_all(tmp_path
     assert await off.get_into_many([("v", [memoryview(buf)], None)], cached_only=True) == [NOT_CACHED]
     assert bytes(buf) == bytes(len(value))
     path = on.path_for("v")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    got = await on.get_into_many([("v", [memoryview(bytearray(len(value)))], None)], cached_only=True)
-    if _fs_type(path) in ("tmpfs", "ramfs"):  # its pages are the file: never evicted
+    in_memory = _fs_type(path) in ("tmpfs", "ramfs")  # its pages are the file: never evicted
+    for _ in range(50):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        got = await on.get_into_many([("v", [memoryview(bytearray(len(value)))], None)], cached_only=True)
+        if in_memory or got == [NOT_CACHED]:
+            break
+        # DONTNEED is best effort: the kernel skips pages something holds a moment (reclaim, a DAMON
+        # scan), and then every page may still be there. Evict again.
+        await asyncio.sleep(0.02)
+    if in_memory:
         assert got == [len(value)]
     else:
         assert got == [NOT_CACHED]
