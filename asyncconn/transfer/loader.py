@@ -143,6 +143,9 @@ class StreamLoader:
     that copies asynchronously, the values of one dtype and shape that one ``poll`` copies land as the rows
     of one device tensor (for a consumer that writes them on together and drops them together, like the KV
     connector; not for one that keeps some of them long -- a row keeps the whole tensor's memory).
+    ``on_corrupt``: called (from :meth:`poll`) with the key of every value a fetch found damaged, the
+    fetches of cancelled loads included -- the owner removes such values from the store (``Purger``), and a
+    load cancelled after its read had found the damage would otherwise leave it there for good.
     """
 
     def __init__(
@@ -154,6 +157,7 @@ class StreamLoader:
         pool: PinnedPool | None = None,
         max_inflight: int = 64,
         rows: bool = False,
+        on_corrupt: Callable[[str], object] | None = None,
     ) -> None:
         if max_inflight <= 0:
             raise TransferError(f"max_inflight must be > 0, got {max_inflight}")
@@ -163,6 +167,7 @@ class StreamLoader:
         self.pool = pool if pool is not None else PinnedPool(device=self.device)
         self.max_inflight = max_inflight
         self.rows = rows and not self.device.synchronous
+        self.on_corrupt = on_corrupt
         self._loads: dict[str, _Load] = {}  # live (not cancelled, not reported) loads by key
         self._queued: collections.deque[_Load] = collections.deque()
         self._fetched: collections.deque[_Load] = collections.deque()  # appended on the loop thread
@@ -391,6 +396,7 @@ class StreamLoader:
         fetched, load.fetched = load.fetched, None
         assert fetched is not None
         self.futures_pending -= 1
+        self._seen(load, fetched)
         if load.cancelled:
             self._release(load)
             load.state = _DONE
@@ -449,6 +455,7 @@ class StreamLoader:
         fetched, load.fetched = load.fetched, None
         assert fetched is not None and isinstance(load.dest, Scattered)
         self.futures_pending -= 1
+        self._seen(load, fetched)
         if load.cancelled:
             load.state = _DONE
             return
@@ -499,6 +506,11 @@ class StreamLoader:
         self.loaded += 1
         self.loaded_bytes += nbytes
         results.append(LoadResult(load.key, out))
+
+    def _seen(self, load: _Load, fetched: _Fetched) -> None:
+        """Tell the owner of a damaged value, whether or not the load is still wanted."""
+        if fetched.failure is Failure.CORRUPT and self.on_corrupt is not None:
+            self.on_corrupt(load.key)
 
     def _fail(self, load: _Load, reason: Failure, detail: str, results: list[LoadResult]) -> None:
         load.state = _DONE

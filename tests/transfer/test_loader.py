@@ -165,6 +165,36 @@ def test_corrupt_value_is_a_failure_and_never_reaches_the_destination(
     assert_idle(loader)
 
 
+@pytest.mark.parametrize("cancelled", [False, True], ids=["wanted", "cancelled-after-the-read"])
+def test_every_damaged_value_a_fetch_finds_is_handed_to_on_corrupt(
+    runtime: Runtime, store: TensorStore, cancelled: bool
+) -> None:
+    """Its owner deletes such values (savers skip keys the store has): a load cancelled once its read had
+    found the damage must still report the key, or the value stays unreadable for good."""
+    frame = bytearray(codec.encode(torch.randn(8, 4), key="flipped"))
+    frame[-1] ^= 0xFF
+    runtime.run(store.backend.put([("flipped", bytes(frame))]))
+    runtime.run(store.put([("good", torch.randn(8, 4))]))
+    seen: list[str] = []
+    loader = make_loader(store, runtime)
+    loader.on_corrupt = seen.append
+    loader.submit_many([(k, NewTensor((8, 4), torch.float32)) for k in ("flipped", "good", "absent")])
+    deadline = time.monotonic() + 5
+    while loader.futures_pending > len(loader._fetched) and time.monotonic() < deadline:
+        loader.wait(0.1)  # every read has ended, none polled yet
+    if cancelled:
+        assert all(loader.cancel(k) for k in ("flipped", "good", "absent"))
+        assert loader.poll() == []
+    else:
+        assert {r.key: r.failure for r in loader.poll()} == {
+            "flipped": Failure.CORRUPT,
+            "good": None,
+            "absent": Failure.MISS,
+        }
+    assert seen == ["flipped"]
+    assert_idle(loader)
+
+
 def test_value_over_max_nbytes_is_too_large(runtime: Runtime, store: TensorStore) -> None:
     runtime.run(store.put([("big", torch.zeros(1024))]))
     loader = make_loader(store, runtime)

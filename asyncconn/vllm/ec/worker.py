@@ -35,7 +35,7 @@ from asyncconn.config import Settings
 from asyncconn.lookup.protocol import store_key
 from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import Failure, LoadResult, NewTensor, PinnedPool, SaveTracker, StreamLoader
+from asyncconn.transfer import LoadResult, NewTensor, PinnedPool, SaveTracker, StreamLoader
 from asyncconn.transfer._device import LOAD_PRIORITY, SAVE_PRIORITY, TransferDevice, default_device
 from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport, ItemRef
@@ -82,6 +82,7 @@ class ECWorkerSide:
                 device=self.device.sibling(priority=LOAD_PRIORITY),
                 pool=self.pool,
                 max_inflight=settings.max_inflight_loads,
+                on_corrupt=self._purger.remove,  # damaged values: see _settle
             )
         if producer:
             self.saver = SaveTracker(
@@ -181,11 +182,11 @@ class ECWorkerSide:
             self._stats["loaded_bytes"] += tensor.numel() * tensor.element_size()
             return mm_hash, tensor
         reason = result.failure.value if result.failure is not None else "corrupt"
-        if result.ok or result.failure is Failure.CORRUPT:
-            # There but unusable here (damaged, another format, other rows or dtype). E skips keys the
-            # store has, so it would stay; once deleted, E's next encode of the item writes it again.
-            self._purger.remove(result.key)
         if result.ok:
+            # There but unusable here (other rows or dtype), like a damaged value (the loader hands those
+            # to the purger itself). E skips keys the store has, so it would stay; once deleted, E's next
+            # encode of the item writes it again.
+            self._purger.remove(result.key)
             log.warning(
                 "EC item %s: stored embedding has shape %s, expected %d rows",
                 mm_hash,

@@ -185,6 +185,7 @@ class KVWorkerSide:
         self._finishing: set[str] = set()  # finished by vLLM, to report in finished_sending
         self._save_t0: dict[str, float] = {}
         self._purger = Purger(self.runtime, self.store)  # corrupt values being removed
+        self.loader.on_corrupt = self._purger.remove  # every damaged value it meets, wanted still or not
         self._stats = AsyncConnKVStats()
         self._issued: AsyncConnKVMetadata | None = None  # the last step's metadata whose loads were issued
         # A sync load failed this step: what this step computes on top of its blocks is wrong -- for the
@@ -389,8 +390,6 @@ class KVWorkerSide:
         else:
             self._stats.add("load_failures")
             log.debug("KV value %s not loaded (%s): %s", result.key, result.failure, result.detail)
-            if result.failure is Failure.CORRUPT:
-                self._purger.remove(result.key)
         block_size = self.keys.identity.block_size
         for rid, ref in fetch.targets:
             load = self._req_loads.get(rid)
