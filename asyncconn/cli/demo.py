@@ -63,6 +63,7 @@ def _resolve(spec: str) -> Callable[..., dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from asyncconn.tools.demo.keeper import kept_store
     from asyncconn.tools.engines import engine_env
 
     engine_env()
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         try:
-            summaries = [_resolve(PARTS[name])(url, workdir) for name in names]
+            with kept_store(url) as engines_url:
+                summaries = [_resolve(PARTS[name])(engines_url, workdir) for name in names]
         except AsyncConnError as exc:
             print(f"asyncconn demo: {exc}", file=sys.stderr)
             return 2

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import uuid
+from typing import Any
 
 import pytest
 
@@ -23,3 +25,20 @@ def test_the_demo_runs_real_engines_and_every_check_passes(capsys: pytest.Captur
 def test_the_demo_refuses_a_store_engines_cannot_share(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--backend", "memory://"]) == 2
     assert "memory://demo" in capsys.readouterr().err
+
+
+def test_the_demo_on_a_real_mooncake_store_keeps_what_each_engine_saved(
+    capsys: pytest.CaptureFixture[str], mooncake_master: Any
+) -> None:
+    """Mooncake keeps values in the memory segments of live clients, and the demo's engines close one after
+    another: the demo's own client holds the memory for the run (the engines join with ``segment=0``).
+    Without it engine 2 loaded nothing -- engine 1's segment left with it -- and a check failed."""
+    url = mooncake_master.url(
+        segment="128MiB", buffer="32MiB", timeout="5s", prefix=f"demo-{uuid.uuid4().hex[:8]}/"
+    )
+    assert main(["demo", "--backend", url, "--json"]) == 0
+    ec, kv = json.loads(capsys.readouterr().out)
+    for summary in (ec, kv):
+        assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
+    assert ec["figures"]["embeddings loaded by PD"] >= ec["figures"]["images"] - 1
+    assert kv["figures"]["KV values loaded by engine 2"] > 0
