@@ -7,12 +7,14 @@ itself says came from the connector (``vllm:external_prefix_cache_hits``).
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from asyncconn.tools.demo.keeper import kept_store
 from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import (
     FULL_BLOCKS,
@@ -25,6 +27,7 @@ from tests.engine.kvcase import (
     save_prompts,
 )
 from tests.servers import LookupServerProcess, RedisServer
+from tests.servers_distributed import MooncakeMaster
 
 pytestmark = pytest.mark.vllm
 
@@ -51,11 +54,30 @@ def run_pair(
     return probe, probe.metrics()
 
 
-@pytest.fixture(params=["file", "file-4-blocks-per-value", "file-sync-loads", "redis", "lookup-server"])
-def store_config(
-    request: pytest.FixtureRequest, tmp_path: Path, redis_server: RedisServer
-) -> Iterator[dict[str, Any]]:
+@pytest.fixture(
+    params=[
+        "file",
+        "file-4-blocks-per-value",
+        "file-sync-loads",
+        "redis",
+        "lookup-server",
+        pytest.param("mooncake", marks=pytest.mark.mooncake),
+        pytest.param("mooncake-sync-loads", marks=pytest.mark.mooncake),
+    ]
+)
+def store_config(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
     prefix = f"kv-engine-{request.param}:"
+    if request.param.startswith("mooncake"):
+        # Engine 1 closes before engine 2 starts, and Mooncake keeps values in live clients' segments: one
+        # client holds the memory for the test and the engines join without a segment (as the demo does).
+        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        url = master.url(
+            segment="128MiB", buffer="32MiB", timeout="5s", prefix=f"{prefix}{uuid.uuid4().hex[:8]}/"
+        )
+        with kept_store(url) as engines_url:
+            yield {"backend_url": engines_url, "kv_sync_loads": request.param.endswith("sync-loads")}
+        return
+    redis_server: RedisServer = request.getfixturevalue("redis_server")
     if request.param == "file":
         yield {"backend_url": f"file://{tmp_path / 'store'}"}
     elif request.param == "file-4-blocks-per-value":  # 4 of the 6 full blocks stored, the tail computed
