@@ -640,3 +640,5 @@ async def test_the_side_by_side_benchmark_runs(mooncake_master: MooncakeMaster) 
     (size,) = out["sizes"]
     assert size["put_vs_raw_put"] > 0 and size["get_vs_raw_get"] > 0 and size["clients_2_get_vs_raw_get"] > 0
     assert out["batch"]["values"] == 4 and out["batch"]["get_vs_raw_get"] > 0
+    close = out["close"]
+    assert 0 < close["longest_stall_ms"] <= close["seconds"] * 1e3 + 50  # the ticker ran during the close

@@ -9,7 +9,9 @@ client into a preallocated buffer is reported too, as the floor a zero-copy read
 with ``--clients`` operations in flight, against the same raw sequential figures. Last, the connectors'
 pattern: ``--batch`` values of ``--batch-size`` saved in one ``TensorStore.put`` and loaded by as many
 concurrent ``get_into`` (as the save tracker and the loader issue them), against the raw client's ``upsert``
-/ ``get`` of the same values one after another. Prints one JSON object.
+/ ``get`` of the same values one after another. Last, closing the backend: its seconds, and the longest
+time a Python thread ticking every millisecond meanwhile could not run (Mooncake's own ``close`` holds
+the GIL while it joins its threads, so the whole process stands still). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import ctypes
 import json
 import statistics
+import threading
 import time
 import uuid
 from typing import Any
@@ -98,6 +101,31 @@ async def _batches(
     }
 
 
+class _Ticker:
+    """A thread that sleeps 1 ms at a time and keeps the longest gap between its wake-ups: how long no
+    Python thread could run (a call holding the GIL stops it along with every other)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-ticker", daemon=True)
+
+    def __enter__(self) -> _Ticker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(0.001):
+            now = time.perf_counter()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+
 async def _bench(
     url: str, sizes: list[int], rounds: int, iterations: int, clients: int, batch: int, batch_size: int
 ) -> dict[str, Any]:
@@ -163,7 +191,10 @@ async def _bench(
             )
         batches = await _batches(store, raw, batch, batch_size, rounds, iterations) if batch else None
     finally:
-        await backend.close()
+        with _Ticker() as ticker:
+            started = time.perf_counter()
+            await backend.close()
+            close_s = time.perf_counter() - started
     return {
         "url": backend.name,
         "rounds": rounds,
@@ -171,6 +202,7 @@ async def _bench(
         "clients": clients,
         "sizes": results,
         "batch": batches,
+        "close": {"seconds": close_s, "longest_stall_ms": ticker.longest * 1e3},
     }
 
 
