@@ -39,6 +39,7 @@ __all__ = [
     "NOT_CACHED",
     "SelfChecked",
     "Sink",
+    "feed_sink",
     "sink_verifies",
     "value_verifies",
     "StorageBackend",
@@ -65,6 +66,21 @@ IntoRead = tuple[str, Sequence[memoryview], Sink | None]
 #: What :meth:`StorageBackend.get_into_many` reports, with ``cached_only``, for a value it would have had to
 #: wait for (a disk, the network): nothing was read, or only part of it.
 NOT_CACHED = -1
+
+
+def feed_sink(sink: Sink, pieces: Sequence[memoryview]) -> None:
+    """Hand consecutive ``pieces`` of a value to ``sink``, in one call when it has a ``feed_many`` method.
+
+    Why: a value read in place lands in many pieces (a piece per layer of a KV block), and a Python call
+    per piece into the sink was most of the Python work of such a read; ``TensorStore``'s verifier takes
+    them all at once. A plain callable gets a call per piece.
+    """
+    many = getattr(sink, "feed_many", None)
+    if many is not None:
+        many(pieces)
+        return
+    for piece in pieces:
+        sink(piece)
 
 
 def sink_verifies(sink: Sink | None) -> bool:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import pytest
@@ -208,6 +209,34 @@ def test_frame_verifier_matches_decode() -> None:
     v = codec.FrameVerifier(out)
     v.feed(memoryview(frame)[:-1])
     with pytest.raises(FrameTruncated):
+        v.finish()
+
+
+@pytest.mark.parametrize("step", [1, 5, 17, 64, 100, 1 << 20])
+def test_frame_verifier_takes_many_pieces_in_one_call_as_it_takes_them_one_by_one(step: int) -> None:
+    """``feed_many`` (how ``file://`` hands a value read in place to its checker) accepts what ``feed``
+    accepts, however the pieces cut the header, and rejects what it rejects."""
+    t = torch.randn(9, 13)
+    frame = codec.encode(t, key="k")
+    out = torch.empty(9, 13)
+    pieces = [memoryview(frame)[i : i + step] for i in range(0, len(frame), step)]
+    v = codec.FrameVerifier(out, key="k")
+    v.feed_many(pieces[:2])
+    v.feed_many([])
+    v.feed_many(pieces[2:])
+    assert v.finish().shape == (9, 13)
+    for damaged in (len(frame) - 5, 3):  # the payload, the header
+        bad = bytearray(frame)
+        bad[damaged] ^= 0x01
+        v = codec.FrameVerifier(out, key="k")
+        with contextlib.suppress(CodecError):  # a damaged header may already be refused while fed
+            v.feed_many([memoryview(bytes(bad))[i : i + step] for i in range(0, len(bad), step)])
+            v.finish()
+            pytest.fail("a damaged frame was accepted")
+    v = codec.FrameVerifier(out, key="k")
+    v.feed_many(pieces)
+    v.feed_many([memoryview(b"x")])
+    with pytest.raises(FrameTruncated):  # more payload than the header promises
         v.finish()
 
 

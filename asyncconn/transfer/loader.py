@@ -73,8 +73,9 @@ GROUP_BYTES = 4 << 20
 #: loads are cut into as few groups of even size as this allows. Larger than ``GROUP_BYTES``: nothing waits
 #: to copy a value out of staging, so the first values landing early gains nothing, and each call is a
 #: hand-off between the loop and the store's threads, which on a small CPU engine were most of a prefix
-#: load's time (a 112 MiB prefix on 2 cores: two calls of 56 MiB beat seven of 16 MiB).
-IN_PLACE_GROUP_BYTES = 64 << 20
+#: load's time (a 112 MiB prefix on 2 cores: two calls of 56 MiB beat seven of 16 MiB). ``file://`` shares
+#: one call's values among its read threads, so a whole prefix up to this size is one call.
+IN_PLACE_GROUP_BYTES = 256 << 20
 
 _QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
 

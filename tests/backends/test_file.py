@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -365,3 +366,63 @@ def test_a_read_that_comes_back_short_is_continued_into_the_right_places(
         assert bytes(longer[0][: len(data)]) == data
     finally:
         os.close(fd)
+
+
+async def test_a_batch_is_shared_by_the_read_threads_value_by_value(tmp_path: Path) -> None:
+    """One ``get_into_many`` call is read by the pool thread and its helper, each taking the next value:
+    a thread that is slowed down takes fewer values (halves fixed up front would give it half), and every
+    value still lands whole in its own destination."""
+    import threading
+
+    backend = FileBackend(tmp_path, read_threads=2)
+    values = [os.urandom(4096 + i) for i in range(24)]
+    await backend.put([(f"v{i}", v) for i, v in enumerate(values)])
+    readers: list[str] = []
+
+    def sink_of(i: int):  # type: ignore[no-untyped-def]
+        def sink(piece: memoryview) -> None:
+            name = threading.current_thread().name
+            if piece.nbytes and not name.startswith("asyncconn-file-aux"):
+                readers.append("pool")
+                time.sleep(0.02)  # the pool thread is the slow one
+            elif piece.nbytes:
+                readers.append("helper")
+
+        return sink
+
+    bufs = [bytearray(len(v)) for v in values]
+    reads = [(f"v{i}", [memoryview(b)], sink_of(i)) for i, b in enumerate(bufs)]
+    got = await backend.get_into_many(reads, cached_only=True)
+    assert got == [len(v) for v in values]
+    assert [bytes(b) for b in bufs] == values
+    assert readers.count("helper") >= 16 and readers.count("pool") >= 1, readers
+    await backend.close()
+
+
+async def test_a_failing_read_fails_the_shared_batch_once_every_thread_has_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read error on one thread of a shared batch fails the call (as ``BackendError``) only after the
+    other thread has stopped writing: no destination changes after the call has raised."""
+    import errno
+
+    backend = FileBackend(tmp_path, read_threads=2, inline_reads=False)
+    values = [os.urandom(8192) for _ in range(40)]
+    await backend.put([(f"v{i}", v) for i, v in enumerate(values)])
+    real = FileBackend._read_into
+
+    def failing(self: FileBackend, key: str, *args: object, **kwargs: object) -> int | None:
+        if key == "v5":
+            raise OSError(errno.EIO, "I/O error")
+        time.sleep(0.002)
+        return real(self, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FileBackend, "_read_into", failing)
+    bufs = [bytearray(len(v)) for v in values]
+    with pytest.raises(BackendError, match="I/O error"):
+        await backend.get_into_many([(f"v{i}", [memoryview(b)], None) for i, b in enumerate(bufs)])
+    snapshot = [bytes(b) for b in bufs]
+    await asyncio.sleep(0.05)
+    assert [bytes(b) for b in bufs] == snapshot
+    assert any(bytes(b) == bytes(len(b)) for b in bufs)  # it stopped early: some values were never read
+    await backend.close()
