@@ -593,12 +593,12 @@ class StreamLoader:
             items.append((load.key, load.buf.view(dest.dtype, dest.shape)))
         cached_only = isinstance(loads[0].dest, Scattered)  # a group is all in place or all staged
         statuses = await self.store.read_into_many(items, cached_only=cached_only)
-        fetched = [
-            self._outcome(status, load.dest.dtype, load.dest.shape)
-            for status, load in zip(statuses, loads, strict=True)
-        ]
-        for load, one in zip(loads, fetched, strict=True):
-            self._hand_back(load, one)
+        for status, load in zip(statuses, loads, strict=True):
+            load.fetched = self._outcome(status, load.dest.dtype, load.dest.shape)
+        # The group at once, with one wake-up: a wake-up per value had the worker thread polling (and taking
+        # the GIL) between the loop's hand-backs of one call's values.
+        self._fetched.extend(loads)  # one C call under the GIL: the worker pops whole loads in poll()
+        self._landed.set()
 
     def _group_done(self, loads: list[_Load], task: asyncio.Task[None]) -> None:
         """A group's task ended without handing its loads back (cancelled, or the store failed): do it."""
