@@ -191,7 +191,9 @@ class FileBackend(StorageBackend):
         "workers": Param.count(4, "threads doing blocking file I/O"),
         "fsync": Param.boolean(False, "fsync each file before renaming it into place (durability vs speed)"),
         "create": Param.boolean(True, "create the root directory if it does not exist"),
-        "read_threads": Param.count(2, "threads that split one large (>= 4 MiB) read between them"),
+        "read_threads": Param.count(
+            2, "threads that split one large (>= 4 MiB) read, or share one batch of reads, between them"
+        ),
         "inline_reads": Param.boolean(
             True, "read page-cached values on the loop (preadv RWF_NOWAIT); false on network filesystems"
         ),

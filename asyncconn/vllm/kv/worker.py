@@ -213,14 +213,10 @@ class KVWorkerSide:
             shape, dim = self.layout.layer_shape, self.layout.block_dim
             self._outer = math.prod(shape[:dim])
             self._block_bytes = self._cache_bytes[0].nbytes // (self._outer * shape[dim])
-            # Checked once here, so that each load's destination can be built unchecked (Scattered.trusted):
-            # every layer's pieces of a whole value add up to the value.
+            # Why each load's destination can be built unchecked (Scattered.trusted): the layers share one
+            # shape (LayerLayout.detect), so every layer's pieces of a whole value add up to the value.
             per_layer = self._outer * self.keys.blocks_per_value * self._block_bytes
-            if any(b.nbytes != self._cache_bytes[0].nbytes or b.readonly for b in self._cache_bytes) or (
-                per_layer * len(self._cache_bytes) != self._staged.staging_nbytes
-            ):
-                log.warning("KV connector: the layers' caches differ in size; loads go through staging")
-                self._cache_bytes = None
+            assert per_layer * len(self._cache_bytes) == self._staged.staging_nbytes
 
     def set_rank(self, rank: int) -> None:
         """This worker's TP rank (vLLM's TP group when initialized; simulators set it here)."""
