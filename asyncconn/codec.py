@@ -477,8 +477,9 @@ class FrameVerifier:
     def feed_many(self, pieces: Sequence[memoryview]) -> None:
         """:meth:`feed` each of ``pieces`` in order, in one call.
 
-        Why: a value read in place lands in a piece per layer (29 for a 14-layer KV block), and a Python
-        call per piece was most of the Python work of such a read (``backend.feed_sink``).
+        Why: a value read in place lands in a piece per layer (15 pieces for a 14-layer model's KV block,
+        header included), and a Python call per piece was most of the Python work of such a read
+        (``backend.feed_sink``).
         """
         i, n = 0, len(pieces)
         while self._header is None and i < n:
