@@ -189,14 +189,16 @@ def test_store_dies_mid_load_recomputes(make_sim: Any, fresh_redis: Any) -> None
 
     sim = make_sim(kv=kv_spec(url, **extra), kv_load_failure_policy="recompute")
     worker = sim.workers[0].kv_connector.worker_side
-    original = worker.start_load_kv
+    original = worker.issue_loads
 
-    def start_then_kill(meta: Any) -> None:
-        if meta.loads:
-            fresh_redis.kill()  # the store dies between the lookup's answer and the loads
+    def kill_then_issue(meta: Any) -> None:
+        # The store dies between the lookup's answer and the loads: before they are issued, which on a CPU
+        # engine is at bind time, before start_load_kv (killed there, a load could land first).
+        if meta.loads and fresh_redis.alive:
+            fresh_redis.kill()
         original(meta)
 
-    worker.start_load_kv = start_then_kill  # type: ignore[method-assign]
+    worker.issue_loads = kill_then_issue  # type: ignore[method-assign]
     sim.add_request("b", tokens, max_tokens=3)
     records = run_checked(sim)
     assert len(load_error_blocks(records)) == 5  # 95 usable tokens: 5 blocks planned, all failed

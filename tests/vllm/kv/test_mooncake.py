@@ -52,14 +52,16 @@ def test_master_dies_between_lookup_and_load_recomputes(
 
     second = make_sim(kv=kv_spec(url, **extra), kv_load_failure_policy="recompute")
     worker = second.workers[0].kv_connector.worker_side
-    original = worker.start_load_kv
+    original = worker.issue_loads
 
-    def start_then_kill(meta: Any) -> None:
+    def kill_then_issue(meta: Any) -> None:
+        # The master dies between the lookup's answer and the loads: before they are issued (on a CPU
+        # engine at bind time, before start_load_kv).
         if meta.loads and master.alive:
-            master.kill()  # the master dies between the lookup's answer and the loads
+            master.kill()
         original(meta)
 
-    worker.start_load_kv = start_then_kill  # type: ignore[method-assign]
+    worker.issue_loads = kill_then_issue  # type: ignore[method-assign]
     second.add_request("b", tokens, max_tokens=3)
     # Bounded, not quick: once Mooncake's client is reconnecting, a read holds the caller's buffer ~4 s
     # past our 1 s timeout (measured), and the request waits for its loads to let go (~2 ms per idle step).
