@@ -32,6 +32,7 @@ __all__ = [
     "parse_duration",
     "parse_size",
     "parse_url",
+    "with_param",
     "redact",
     "scrub",
     "url_secrets",
@@ -333,6 +334,15 @@ def _parse(url: str) -> StoreURL:
         query=query,
         password_from=password_from,
     )
+
+
+def with_param(url: str, name: str, value: str) -> str:
+    """``url`` with its query parameter ``name`` set to ``value``: any given before is dropped, the others are
+    kept as written, and ``name=value`` goes last (``value`` as written: quote it if it needs it)."""
+    head, hash_sign, fragment = url.partition("#")
+    base, _, query = head.partition("?")
+    params = [p for p in query.split("&") if p and p.split("=", 1)[0] != name]
+    return f"{base}?{'&'.join([*params, f'{name}={value}'])}{hash_sign}{fragment}"
 
 
 def with_password_from(url: str, *, env: str | None = None, file: str | None = None) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from asyncconn.exceptions import ConfigError
-from asyncconn.url import Param, parse_duration, parse_size, parse_url, redact
+from asyncconn.url import Param, parse_duration, parse_size, parse_url, redact, with_param
 
 
 def test_parse_full_url() -> None:
@@ -75,3 +75,10 @@ def test_error_messages_do_not_leak_password() -> None:
     with pytest.raises(ConfigError) as info:
         parse_url("redis://:hunter2@h:badport/0")
     assert "hunter2" not in str(info.value)
+
+
+def test_with_param_replaces_a_parameter_and_keeps_the_rest_as_written() -> None:
+    url = "mooncake://h:1?metadata=http://m:2/metadata&segment=1GiB&buffer=64MiB#frag"
+    assert with_param(url, "segment", "0") == "mooncake://h:1?metadata=http://m:2/metadata&buffer=64MiB&segment=0#frag"
+    assert with_param("file:///tmp/x", "workers", "2") == "file:///tmp/x?workers=2"
+    assert parse_url(with_param("redis://h/0?prefix=segment=1", "prefix", "p")).query["prefix"] == "p"

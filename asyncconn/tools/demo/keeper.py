@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
+from asyncconn.url import with_param
 
 __all__ = ["kept_store"]
 
@@ -25,9 +26,7 @@ _TIMEOUT_S = 60.0
 
 def _without_segment(url: str) -> str:
     """``url`` with ``segment=0``, whatever segment it named (the other parameters as written)."""
-    base, _, query = url.partition("?")
-    params = [p for p in query.split("&") if p and p.split("=", 1)[0] != "segment"]
-    return f"{base}?{'&'.join([*params, 'segment=0'])}"
+    return with_param(url, "segment", "0")
 
 
 @contextlib.contextmanager
