@@ -1,0 +1,198 @@
+"""Where a loaded prompt's time to first token goes, in vLLM's real CPU engine (not run by the tests).
+
+Usage: ``.venv/bin/python scripts/ttft_phases.py [--rounds N] [--tokens N] [--json]`` (defaults: 3 rounds,
+4096 tokens). The same model, prompts and store fill as ``asyncconn bench engine --what ttft``; in each round
+a fresh engine per config (alternating order) is timed on the prompts twice, the second time after
+``reset_prefix_cache``, and every sample is cut into phases from timestamps taken around a few calls:
+
+- asyncconn: ``issue`` (the worker issuing the step's loads on vLLM's thread), ``prep`` (from there until the
+  store's read threads start: the loop preparing the batch), ``read`` (the ``file://`` batch on its threads,
+  checksum included), ``after`` (from the last read to the forward: hand-back, the worker's poll, the step
+  that reports the load and vLLM's next step up to its forward);
+- ``ExampleConnector``: ``load`` (its ``start_load_kv``, on vLLM's thread) and ``after`` (until the forward);
+- both: ``start`` (from ``generate`` to the first of those), ``forward_at`` (from ``generate`` to the forward
+  of the prompt's tail) and ``ttft``.
+
+Why a script, not a bench: it times vLLM's own methods by wrapping them for the run (``_model_forward``),
+which the library never does. Medians over every sample of every round, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from asyncconn.tools.engines import Probe, close_llm, engine_env, kv_config, make_llm
+from asyncconn.tools.tiny_models import build_model
+
+#: (start, end, label) of every timed call while a sample runs; appended from any thread (atomic).
+_EVENTS: list[tuple[float, float, str]] = []
+_TIMING = threading.Event()
+
+
+@contextmanager
+def _timed_calls(targets: list[tuple[type, str, str]]) -> Iterator[None]:
+    """Wrap ``cls.name`` to record its calls as ``label`` while ``_TIMING`` is set; restore them after."""
+    saved = []
+    for cls, name, label in targets:
+        original = cls.__dict__[name]
+        saved.append((cls, name, original))
+
+        def timed(*args: Any, _f: Callable[..., Any] = original, _label: str = label, **kwargs: Any) -> Any:
+            if not _TIMING.is_set():
+                return _f(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                _EVENTS.append((started, time.perf_counter(), _label))
+
+        setattr(cls, name, functools.wraps(original)(timed))
+    try:
+        yield
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)
+
+
+def _targets() -> list[tuple[type, str, str]]:
+    from asyncconn_backends.file import FileBackend
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from asyncconn.vllm.kv.worker import KVWorkerSide
+
+    return [
+        (GPUModelRunner, "_model_forward", "forward"),
+        (KVWorkerSide, "issue_loads", "issue"),
+        (FileBackend, "_read_many", "read"),
+        (ExampleConnector, "start_load_kv", "load"),
+    ]
+
+
+def _phases(events: list[tuple[float, float, str]], t0: float, t1: float) -> dict[str, float] | None:
+    """One sample's phases (ms), or None when it did not load (no forward after a load)."""
+    ms = 1e3
+    forwards = [e for e in events if e[2] == "forward"]
+    if not forwards:
+        return None
+    forward_at = forwards[0][0]
+    out = {"forward_at": (forward_at - t0) * ms, "ttft": (t1 - t0) * ms}
+    issues = [e for e in events if e[2] == "issue" and e[1] - e[0] > 1e-4 and e[0] < forward_at]
+    reads = [e for e in events if e[2] == "read" and e[0] < forward_at]
+    loads = [e for e in events if e[2] == "load" and e[1] - e[0] > 1e-4]
+    if issues and reads:
+        first_read, last_read = min(e[0] for e in reads), max(e[1] for e in reads)
+        out |= {
+            "start": (issues[0][0] - t0) * ms,
+            "issue": (issues[0][1] - issues[0][0]) * ms,
+            "prep": (first_read - issues[0][1]) * ms,
+            "read": (last_read - first_read) * ms,
+            "after": (forward_at - last_read) * ms,
+        }
+    elif loads:
+        out |= {
+            "start": (loads[0][0] - t0) * ms,
+            "load": (loads[0][1] - loads[0][0]) * ms,
+            "after": (forward_at - loads[0][1]) * ms,
+        }
+    else:
+        return None
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the figures
+    engine_env()  # before vLLM is imported
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+
+    model = build_model("text-100m", progress=lambda m: print(m, file=sys.stderr))
+    rng = random.Random(7)  # the prompts of ``bench engine --what ttft``
+    texts = [[rng.randrange(5, 8000) for _ in range(args.tokens + 17)] for _ in range(args.prompts)]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    engine_args: dict[str, Any] = {
+        "kv_cache_bytes": 2 << 30,
+        "max_model_len": args.tokens + 64,
+        "max_num_batched_tokens": args.tokens + 64,
+        "max_num_seqs": 1,
+    }
+    work = Path(tempfile.mkdtemp(prefix="asyncconn-phases-"))
+    configs: dict[str, Callable[[], Any]] = {
+        "asyncconn file://": lambda: kv_config(backend_url=f"file://{work / 'store'}"),
+        "asyncconn file://, 4 blocks per value": lambda: kv_config(
+            backend_url=f"file://{work / 'store-4'}", kv_blocks_per_value=4
+        ),
+        "vLLM ExampleConnector": lambda: KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": str(work / "example")},
+        ),
+    }
+    for make in configs.values():  # fill each store: an engine computes the prompts, one at a time
+        llm = make_llm(model, kv=make(), **engine_args)
+        for text in texts:
+            llm.generate([{"prompt_token_ids": text}], one, use_tqdm=False)
+        Probe(llm).settle(timeout=300)
+        close_llm(llm)
+
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    with _timed_calls(_targets()):
+        for round_ in range(args.rounds):
+            order = list(configs) if round_ % 2 == 0 else list(reversed(configs))
+            for name in order:
+                llm = make_llm(model, kv=configs[name](), **engine_args)
+                probe = Probe(llm)
+                for pass_ in range(2):
+                    if pass_:
+                        probe.settle(timeout=300)
+                        llm.reset_prefix_cache()
+                    for text in texts:
+                        _EVENTS.clear()
+                        _TIMING.set()
+                        t0 = time.perf_counter()
+                        llm.generate([{"prompt_token_ids": text}], one, use_tqdm=False)
+                        t1 = time.perf_counter()
+                        _TIMING.clear()
+                        phases = _phases(sorted(_EVENTS), t0, t1)
+                        if phases is not None:
+                            samples[name].append(phases)
+                probe.settle(timeout=300)
+                close_llm(llm)
+    summary = {
+        name: {"samples": len(rows)}
+        | {key: round(statistics.median(r[key] for r in rows), 2) for key in rows[0]}
+        for name, rows in samples.items()
+        if rows
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        for name, row in summary.items():
+            print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
