@@ -32,10 +32,10 @@ __all__ = [
     "parse_duration",
     "parse_size",
     "parse_url",
-    "with_param",
     "redact",
     "scrub",
     "url_secrets",
+    "with_param",
     "with_password_from",
 ]
 
