@@ -7,11 +7,17 @@ a fresh engine per config (alternating order) is timed on the prompts twice, the
 
 - asyncconn: ``issue`` (the worker issuing the step's loads on vLLM's thread), ``prep`` (from there until the
   store's read threads start: the loop preparing the batch), ``read`` (the ``file://`` batch on its threads,
-  checksum included), ``after`` (from the last read to the forward: hand-back, the worker's poll, the step
-  that reports the load and vLLM's next step up to its forward);
+  checksum included), ``after`` (from the last read to the forward), and ``after`` cut in four:
+  ``reported`` (until the worker's ``get_finished`` returns with the load: hand-back and poll),
+  ``rescheduled`` (until vLLM's next ``schedule()`` has run), ``inputs`` (until that step's
+  ``_prepare_inputs`` has run) and ``to_forward``;
 - ``ExampleConnector``: ``load`` (its ``start_load_kv``, on vLLM's thread) and ``after`` (until the forward);
 - both: ``start`` (from ``generate`` to the first of those), ``forward_at`` (from ``generate`` to the forward
-  of the prompt's tail) and ``ttft``.
+  of the prompt's tail), ``forward`` (its length) and ``ttft``.
+
+It also reads every thread's CPU time (``/proc/self/task/*/schedstat``) around each sample and reports it per
+sample by thread (``cpu_ms``): Python threads by name, numbered pool threads pooled, other native threads
+(vLLM's OpenMP worker among them) as ``native``. That is how a thread that competes with the reads shows.
 
 Why a script, not a bench: it times vLLM's own methods by wrapping them for the run (``_model_forward``),
 which the library never does. Medians over every sample of every round, in milliseconds.
@@ -43,6 +49,37 @@ _EVENTS: list[tuple[float, float, str]] = []
 _TIMING = threading.Event()
 
 
+def _thread_cpu() -> dict[int, int]:
+    """Nanoseconds on a CPU so far, by native thread id, for every thread of this process."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return out
+
+
+def _thread_label(tid: int, names: dict[int, str]) -> str:
+    """``tid``'s label: its Python name without a pool index (``asyncconn-file_1`` -> ``asyncconn-file``),
+    or ``native`` for a thread Python did not start."""
+    name = names.get(tid)
+    if name is None:
+        return "native"
+    stem, _, index = name.rpartition("_")
+    return stem if stem and index.isdigit() else name
+
+
+def _cpu_ms(before: dict[int, int], after: dict[int, int]) -> dict[str, float]:
+    """CPU milliseconds by thread label between two :func:`_thread_cpu` readings."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = {}
+    for tid, ns in after.items():
+        label = _thread_label(tid, names)
+        out[label] = out.get(label, 0.0) + (ns - before.get(tid, 0)) / 1e6
+    return out
+
+
 @contextmanager
 def _timed_calls(targets: list[tuple[type, str, str]]) -> Iterator[None]:
     """Wrap ``cls.name`` to record its calls as ``label`` while ``_TIMING`` is set; restore them after."""
@@ -71,6 +108,7 @@ def _timed_calls(targets: list[tuple[type, str, str]]) -> Iterator[None]:
 def _targets() -> list[tuple[type, str, str]]:
     from asyncconn_backends.file import FileBackend
     from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from asyncconn.vllm.kv.worker import KVWorkerSide
@@ -80,7 +118,15 @@ def _targets() -> list[tuple[type, str, str]]:
         (KVWorkerSide, "issue_loads", "issue"),
         (FileBackend, "_read_many", "read"),
         (ExampleConnector, "start_load_kv", "load"),
+        (KVWorkerSide, "get_finished", "finished"),
+        (Scheduler, "schedule", "schedule"),
+        (GPUModelRunner, "_prepare_inputs", "inputs"),
     ]
+
+
+def _first_end_after(events: list[tuple[float, float, str]], label: str, after: float) -> float | None:
+    """When the first ``label`` call that ends after ``after`` ends."""
+    return min((e[1] for e in events if e[2] == label and e[1] > after), default=None)
 
 
 def _phases(events: list[tuple[float, float, str]], t0: float, t1: float) -> dict[str, float] | None:
@@ -90,7 +136,11 @@ def _phases(events: list[tuple[float, float, str]], t0: float, t1: float) -> dic
     if not forwards:
         return None
     forward_at = forwards[0][0]
-    out = {"forward_at": (forward_at - t0) * ms, "ttft": (t1 - t0) * ms}
+    out = {
+        "forward_at": (forward_at - t0) * ms,
+        "forward": (forwards[0][1] - forward_at) * ms,
+        "ttft": (t1 - t0) * ms,
+    }
     issues = [e for e in events if e[2] == "issue" and e[1] - e[0] > 1e-4 and e[0] < forward_at]
     reads = [e for e in events if e[2] == "read" and e[0] < forward_at]
     loads = [e for e in events if e[2] == "load" and e[1] - e[0] > 1e-4]
@@ -103,6 +153,15 @@ def _phases(events: list[tuple[float, float, str]], t0: float, t1: float) -> dic
             "read": (last_read - first_read) * ms,
             "after": (forward_at - last_read) * ms,
         }
+        # The after-phase step by step: each mark is the first such call to end after the previous mark.
+        marks, at = {}, last_read
+        for key, label in (("reported", "finished"), ("rescheduled", "schedule"), ("inputs", "inputs")):
+            end = _first_end_after(events, label, at)
+            if end is None or end > forward_at:
+                break
+            marks[key], at = (end - at) * ms, end
+        else:
+            out |= marks | {"to_forward": (forward_at - at) * ms}
     elif loads:
         out |= {
             "start": (loads[0][0] - t0) * ms,
@@ -112,6 +171,13 @@ def _phases(events: list[tuple[float, float, str]], t0: float, t1: float) -> dic
     else:
         return None
     return out
+
+
+def _medians(rows: list[dict[str, float]], at_least: float = 0.0) -> dict[str, float]:
+    """Per key, the median over the rows that have it (rounded to 0.01), when it is at least ``at_least``."""
+    keys = dict.fromkeys(k for row in rows for k in row)
+    out = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 2) for k in keys}
+    return {k: v for k, v in out.items() if v >= at_least}
 
 
 def main() -> int:
@@ -158,6 +224,7 @@ def main() -> int:
         close_llm(llm)
 
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    cpus: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     with _timed_calls(_targets()):
         for round_ in range(args.rounds):
             order = list(configs) if round_ % 2 == 0 else list(reversed(configs))
@@ -170,19 +237,21 @@ def main() -> int:
                         llm.reset_prefix_cache()
                     for text in texts:
                         _EVENTS.clear()
+                        cpu0 = _thread_cpu()
                         _TIMING.set()
                         t0 = time.perf_counter()
                         llm.generate([{"prompt_token_ids": text}], one, use_tqdm=False)
                         t1 = time.perf_counter()
                         _TIMING.clear()
+                        cpu = _cpu_ms(cpu0, _thread_cpu())
                         phases = _phases(sorted(_EVENTS), t0, t1)
                         if phases is not None:
                             samples[name].append(phases)
+                            cpus[name].append(cpu)
                 probe.settle(timeout=300)
                 close_llm(llm)
-    summary = {
-        name: {"samples": len(rows)}
-        | {key: round(statistics.median(r[key] for r in rows), 2) for key in rows[0]}
+    summary: dict[str, dict[str, Any]] = {
+        name: {"samples": len(rows)} | _medians(rows) | {"cpu_ms": _medians(cpus[name], at_least=0.05)}
         for name, rows in samples.items()
         if rows
     }
@@ -190,7 +259,9 @@ def main() -> int:
         print(json.dumps(summary, indent=2))
     else:
         for name, row in summary.items():
+            cpu = row.pop("cpu_ms")
             print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+            print("  CPU ms per sample by thread: " + ", ".join(f"{k} {v}" for k, v in cpu.items()))
     return 0
 
 
