@@ -173,10 +173,15 @@ def _phases(events: list[tuple[float, float, str]], t0: float, t1: float) -> dic
     return out
 
 
-def _medians(rows: list[dict[str, float]], at_least: float = 0.0) -> dict[str, float]:
-    """Per key, the median over the rows that have it (rounded to 0.01), when it is at least ``at_least``."""
-    keys = dict.fromkeys(k for row in rows for k in row)
-    out = {k: round(statistics.median(r.get(k, 0.0) for r in rows), 2) for k in keys}
+def _medians(
+    rows: list[dict[str, float]], absent: float | None = None, at_least: float = 0.0
+) -> dict[str, float]:
+    """Per key, the median (rounded to 0.01) when it is at least ``at_least``: over the rows that have the
+    key, or over all rows, ``absent`` standing in where a row lacks it (a thread that did not run: 0 ms)."""
+    out = {}
+    for key in dict.fromkeys(k for row in rows for k in row):
+        values = [r[key] for r in rows if key in r] if absent is None else [r.get(key, absent) for r in rows]
+        out[key] = round(statistics.median(values), 2)
     return {k: v for k, v in out.items() if v >= at_least}
 
 
@@ -251,7 +256,9 @@ def main() -> int:
                 probe.settle(timeout=300)
                 close_llm(llm)
     summary: dict[str, dict[str, Any]] = {
-        name: {"samples": len(rows)} | _medians(rows) | {"cpu_ms": _medians(cpus[name], at_least=0.05)}
+        name: {"samples": len(rows)}
+        | _medians(rows)
+        | {"cpu_ms": _medians(cpus[name], absent=0.0, at_least=0.05)}
         for name, rows in samples.items()
         if rows
     }
