@@ -126,7 +126,7 @@ def ec_part(backend_url: str, workdir: Path) -> dict[str, Any]:
             # Workers that never see an empty step (vLLM's CPU engine) cannot move a prefetch on an idle
             # engine, so PD releases a waiting request to its encoder whenever it runs out of work
             # (docs/ec.md): the first to arrive, and any whose prefetch is still in flight when that happens
-            # again (seen on mooncake://). Every other image must have been loaded.
+            # again. Every other image must have been loaded; an encode for any other reason fails this.
             "PD's encoder ran for a stored image only on a stalled engine's release": encoded_on_pd
             == pd["released"],
             "PD loaded most images (loaded > encoded)": pd["loaded"] > encoded_on_pd,
