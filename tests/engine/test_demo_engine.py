@@ -18,7 +18,8 @@ def test_the_demo_runs_real_engines_and_every_check_passes(capsys: pytest.Captur
     ec, kv = json.loads(capsys.readouterr().out)
     for summary in (ec, kv):
         assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
-    assert ec["figures"]["embeddings loaded by PD"] >= ec["figures"]["images"] - 1
+    # The demo's checks tie every PD encode to a stalled engine's release; most images were loaded.
+    assert ec["figures"]["embeddings loaded by PD"] > ec["figures"]["images encoded on PD"]
     assert kv["figures"]["tokens vLLM counted as loaded (external prefix cache hits)"] > 0
 
 
@@ -40,7 +41,7 @@ def test_the_demo_on_a_real_mooncake_store_keeps_what_each_engine_saved(
     ec, kv = json.loads(capsys.readouterr().out)
     for summary in (ec, kv):
         assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
-    # Over mooncake:// a prefetch can still be in flight when the released request has finished, and PD
-    # releases the next one too (the demo counts each release): more than half loaded, not all but one.
+    # A prefetch can still be in flight when the released request has finished, and PD then releases the
+    # next one too (the demo's checks count each release): more than half loaded, not all but one.
     assert ec["figures"]["embeddings loaded by PD"] > ec["figures"]["images encoded on PD"]
     assert kv["figures"]["KV values loaded by engine 2"] > 0

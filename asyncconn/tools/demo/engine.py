@@ -35,7 +35,9 @@ from asyncconn.tools.tiny_models import IMAGE_SIZE, build_model
 __all__ = ["ec_part", "kv_part"]
 
 _IMAGES = 6
-_EC_SAMPLING = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+#: Long enough that the other requests' prefetches are reported while the request an idle PD released to its
+#: encoder is still decoding: when it finishes first, PD idles again and releases the next one (docs/ec.md).
+_EC_SAMPLING = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 
 
 def _say(message: str) -> None:
