@@ -142,9 +142,24 @@ def _read_stored(worker: Any, params: list[Any]) -> list[Any]:
     return list(worker.runtime.run(worker.store.get([worker.key(h) for h in hashes]), 30))
 
 
+def _kv_mismatch(
+    got: list[list[dict[str, Any]]], want: list[list[dict[str, Any]]], full: int
+) -> tuple[int, int]:
+    """``(missing, differing)`` blocks of ``got`` against ``want``, prompt by prompt, for prompts of ``full``
+    whole blocks: a block is missing when the engine no longer caches it, differing when any layer's bytes
+    differ. Counted rather than judged at the first one, so that a failed check says how far off it was."""
+    import torch
+
+    missing = differing = 0
+    for blocks, reference in zip(got, want, strict=True):
+        missing += full - len(blocks)
+        for a, b in zip(blocks, reference, strict=False):
+            differing += any(not torch.equal(a[layer], b[layer]) for layer in b)
+    return missing, differing
+
+
 def kv_part(backend_url: str, workdir: Path) -> dict[str, Any]:
     """Engine 1 saves shared-prefix KV, a fresh engine 2 loads it; returns the demo summary."""
-    import torch
     from vllm import SamplingParams
 
     model = build_model("text", progress=_say)
@@ -188,11 +203,9 @@ def kv_part(backend_url: str, workdir: Path) -> dict[str, Any]:
     reference = run("the reference engine", None)
     first = run("engine 1 (saves)", kv_config(**config))
     second = run("engine 2 (loads)", kv_config(**config))
-    same_bytes = all(
-        len(got) == full == len(want)
-        and all(torch.equal(a[layer], b[layer]) for a, b in zip(got, want, strict=True) for layer in a)
-        for got, want in zip(second["kv"], reference["kv"], strict=True)
-    )
+    reference_missing, _ = _kv_mismatch(reference["kv"], reference["kv"], full)
+    first_missing, first_differing = _kv_mismatch(first["kv"], reference["kv"], full)
+    second_missing, second_differing = _kv_mismatch(second["kv"], reference["kv"], full)
     external = int(second["metrics"].get("vllm:external_prefix_cache_hits", 0))
     local = int(second["metrics"].get("vllm:prefix_cache_hits", 0))
     # Only whole values are stored: a prompt's tail of fewer blocks than a value is computed again.
@@ -206,6 +219,12 @@ def kv_part(backend_url: str, workdir: Path) -> dict[str, Any]:
             "KV values loaded by engine 2": second["loaded"],
             "bytes loaded by engine 2": second["loaded_bytes"],
             "tokens vLLM counted as loaded (external prefix cache hits)": external,
+            "KV blocks not cached after the run (reference / engine 1 / engine 2)": (
+                f"{reference_missing} / {first_missing} / {second_missing}"
+            ),
+            "KV blocks differing from the reference's (engine 1 / engine 2)": (
+                f"{first_differing} / {second_differing}"
+            ),
             "engine 2 generate() seconds": round(second["seconds"], 3),
             "reference generate() seconds (all computed)": round(reference["seconds"], 3),
         },
@@ -215,7 +234,12 @@ def kv_part(backend_url: str, workdir: Path) -> dict[str, Any]:
             "every whole stored value of every prompt came from the store or from another prompt's": (
                 stored > 0 and external + local == len(prompts) * stored and external >= stored
             ),
-            "engine 2's KV blocks are byte for byte the reference's": same_bytes,
+            "engine 1's KV blocks (what it saved) are byte for byte the reference's": (
+                reference_missing == first_missing == first_differing == 0
+            ),
+            "engine 2's KV blocks are byte for byte the reference's": (
+                reference_missing == second_missing == second_differing == 0
+            ),
             "every KV connector structure is back to zero (both engines)": bool(
                 first["idle"] and second["idle"]
             ),
