@@ -17,7 +17,7 @@ def test_the_demo_runs_real_engines_and_every_check_passes(capsys: pytest.Captur
     assert main(["demo", "--json"]) == 0
     ec, kv = json.loads(capsys.readouterr().out)
     for summary in (ec, kv):
-        assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
+        assert summary["checks"] and all(summary["checks"].values()), (summary["checks"], summary["figures"])
     # The demo's checks tie every PD encode to a stalled engine's release; most images were loaded.
     assert ec["figures"]["embeddings loaded by PD"] > ec["figures"]["images encoded on PD"]
     assert kv["figures"]["tokens vLLM counted as loaded (external prefix cache hits)"] > 0
@@ -40,7 +40,7 @@ def test_the_demo_on_a_real_mooncake_store_keeps_what_each_engine_saved(
     assert main(["demo", "--backend", url, "--json"]) == 0
     ec, kv = json.loads(capsys.readouterr().out)
     for summary in (ec, kv):
-        assert summary["checks"] and all(summary["checks"].values()), summary["checks"]
+        assert summary["checks"] and all(summary["checks"].values()), (summary["checks"], summary["figures"])
     # A prefetch can still be in flight when the released request has finished, and PD then releases the
     # next one too (the demo's checks count each release): more than half loaded, not all but one.
     assert ec["figures"]["embeddings loaded by PD"] > ec["figures"]["images encoded on PD"]

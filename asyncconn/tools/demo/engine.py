@@ -219,10 +219,10 @@ def kv_part(backend_url: str, workdir: Path) -> dict[str, Any]:
             "KV values loaded by engine 2": second["loaded"],
             "bytes loaded by engine 2": second["loaded_bytes"],
             "tokens vLLM counted as loaded (external prefix cache hits)": external,
-            "KV blocks not cached after the run (reference / engine 1 / engine 2)": (
+            "KV blocks not cached (reference / engine 1 / engine 2)": (
                 f"{reference_missing} / {first_missing} / {second_missing}"
             ),
-            "KV blocks differing from the reference's (engine 1 / engine 2)": (
+            "KV blocks differing from the reference's (engine 1 / 2)": (
                 f"{first_differing} / {second_differing}"
             ),
             "engine 2 generate() seconds": round(second["seconds"], 3),
