@@ -6,9 +6,9 @@ and loads the embeddings instead of encoding them. ``kv``: engine 1 computes and
 sharing a long prefix; a fresh engine 2 loads it. A connector-less reference engine runs the same requests.
 
 Each part checks what the tests check (docs/engine.md): outputs equal the reference; the stored embeddings
-are byte for byte what E's encoder returned; PD's encoder ran only for what it did not load; engine 2's
-loaded KV blocks are byte for byte the reference's; vLLM's own counters saw the loaded tokens; every
-connector structure is back to zero. Engines run one at a time, in this process.
+are byte for byte what E's encoder returned; PD's encoder ran only for what it did not load; engine 1's KV
+blocks (what it saved) and engine 2's loaded ones are byte for byte the reference's; vLLM's own counters
+saw the loaded tokens; every connector structure is back to zero. Engines run one at a time, in this process.
 """
 
 from __future__ import annotations
