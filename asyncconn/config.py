@@ -110,10 +110,18 @@ class Settings:
     connect_timeout: float = _opt(
         _positive_duration, 10.0, "bound on connecting to the store (and lookup store) at engine start-up"
     )
-    load_timeout: float = _opt(_positive_duration, 10.0, "a load not on the device after this fails")
+    load_timeout: float = _opt(
+        _positive_duration,
+        10.0,
+        "KV: a load fails when it makes no progress for this long (not when it is long); EC: bound on a "
+        "last-resort synchronous install",
+    )
     pinned_pool_bytes: int = _opt(_positive_size, 1 << 30, "pinned staging memory per worker, e.g. 1GiB")
     max_inflight_loads: int = _opt(
-        parse_count, 64, "staged loads fetched at once per worker (in-place KV loads are not held back)"
+        parse_count,
+        64,
+        "store reads running at once per worker; more wait on the loop, not for an engine step "
+        "(in-place KV loads are not held back)",
     )
     save_skip_existing: bool = _opt(parse_bool, True, "skip saving keys the store already has")
     arrival_timeout: float = _opt(

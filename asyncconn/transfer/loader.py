@@ -4,14 +4,20 @@ A load moves through three states, each owned by one thread (docs/architecture.m
 
 1. *queued* (worker): waiting for a staging buffer. When the pool answers "not now" the key stays queued, in
    order, and is retried on the next :meth:`StreamLoader.poll` -- back-pressure instead of an allocation.
+   Only the worker gives buffers back (a buffer is free once its value is copied out), so this wait is the
+   one part of a load that moves at the worker's pace.
 2. *fetching* (loop): ``TensorStore.read_into`` reads and validates the frame straight into the staging
-   buffer. The loop never touches CUDA. The loads started by one ``submit``/``poll`` call are handed to the
-   loop together (one wake-up, one task per load so each can be cancelled); when a load's task ends, its
-   done-callback records the outcome and puts the load on a thread-safe deque that the worker drains in
-   ``poll()``; nothing is scanned. On a store that reads batches in one call (``TensorStore.batch_reads``:
-   ``file://``), loads of a known shape go in groups of about ``GROUP_BYTES`` instead, one task and one
-   store call per group: the fixed cost of a call, several times a page-cached read of a KV value, is paid
-   once per group, and the reads and checksums run on the store's threads, not the loop.
+   buffer. The loop never touches CUDA. Every load that has a buffer is handed to the loop at once;
+   ``max_inflight`` bounds the store calls running together *on the loop* (a semaphore), so a load waiting
+   for a call slot starts the moment another call ends -- not at the worker's next ``poll``, which in a
+   serving engine can be a long prefill step away. The loads started by one ``submit``/``poll`` call are
+   handed to the loop together (one wake-up, one task per load so each can be cancelled); when a load's
+   task ends, its done-callback records the outcome and puts the load on a thread-safe deque that the
+   worker drains in ``poll()``; nothing is scanned. On a store that reads batches in one call
+   (``TensorStore.batch_reads``: ``file://``), loads of a known shape go in groups of about ``GROUP_BYTES``
+   instead, one task and one store call per group: the fixed cost of a call, several times a page-cached
+   read of a KV value, is paid once per group, and the reads and checksums run on the store's threads, not
+   the loop.
 3. *copying* (worker): the worker issues the H2D copy on the side stream, records an event, and hands the
    tensor out from a later ``poll()`` once ``event.query()`` is true. The staging buffer goes back to the pool
    at the same moment (the copy has read it).
@@ -42,8 +48,9 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -64,6 +71,8 @@ from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 __all__ = ["GROUP_BYTES", "IN_PLACE_GROUP_BYTES", "LoadResult", "StreamLoader"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Staging bytes read by one store call when the backend serves batches (``TensorStore.batch_reads``).
 #: Small enough that the first values land (and the worker copies them out) while later groups are read;
@@ -119,6 +128,7 @@ class _Load:
         "fetched",
         "key",
         "out",
+        "started_at",
         "state",
         "task",
     )
@@ -134,13 +144,15 @@ class _Load:
         self.cancelled = False  # worker-owned
         self.cancel_requested = False  # loop-owned
         self.task: asyncio.Task[None] | None = None  # loop-owned
+        self.started_at = 0.0  # loop-owned: when its store call began (0: not begun); read by the worker
 
 
 class StreamLoader:
     """Loads values from a :class:`TensorStore` onto the device without ever blocking the calling thread.
 
     All methods are called from one thread (vLLM's worker), which owns the device state. ``max_inflight``
-    bounds the fetches running on the loop at once; the pool bounds the staging bytes. ``rows``: on a device
+    bounds the store calls running on the loop at once (staged loads; in-place reads are memory copies and
+    are not held back); the pool bounds the staging bytes. ``rows``: on a device
     that copies asynchronously, the values of one dtype and shape that one ``poll`` copies land as the rows
     of one device tensor (for a consumer that writes them on together and drops them together, like the KV
     connector; not for one that keeps some of them long -- a row keeps the whole tensor's memory).
@@ -175,6 +187,11 @@ class StreamLoader:
         self._copying: collections.deque[_Load] = collections.deque()
         self._results: list[LoadResult] = []  # failures found outside poll(), reported by the next poll()
         self._landed = threading.Event()  # set on the loop when a fetch is handed back; cleared by poll()
+        self._slots: asyncio.Semaphore | None = None  # loop-owned: ``max_inflight`` store calls at once
+        # When a load last moved: a store call began or ended (loop) or queued loads got buffers (worker).
+        # One clock per thread, each written by its owner only; :attr:`last_progress` reads both.
+        self._loop_progress = time.monotonic()
+        self._worker_progress = self._loop_progress
         self._closed = False
         # Leak counters: each must come back to 0 once every load is reported or cancelled and polled.
         self.buffers_out = 0
@@ -312,6 +329,25 @@ class StreamLoader:
         """Loads submitted and neither reported nor cancelled."""
         return len(self._loads)
 
+    @property
+    def last_progress(self) -> float:
+        """``time.monotonic()`` when a load last moved: a store call began or ended, or queued loads got
+        their buffers. A caller's deadline that runs from here measures a loader that is stuck, not one
+        whose work is queued behind other work (which moves this clock as it goes)."""
+        return max(self._loop_progress, self._worker_progress)
+
+    def fetching_for(self, key: str, now: float) -> float:
+        """Seconds the store call reading ``key`` has been running (0.0: not begun, done, or unknown).
+
+        A value whose call runs past the caller's deadline is stuck (every store call is bounded by the
+        store's own timeout, so this is a store that ignores it, or a bug); one waiting for a buffer or a
+        call slot reads 0 here.
+        """
+        load = self._loads.get(key)
+        if load is None or load.state != _FETCHING or not load.started_at:
+            return 0.0
+        return max(now - load.started_at, 0.0)
+
     def counters(self) -> dict[str, int]:
         """Resources held right now; all are 0 when the loader is idle and fully polled."""
         return {
@@ -366,8 +402,6 @@ class StreamLoader:
                 load.state = _FETCHING
                 started.append(load)
                 continue
-            if self.futures_pending >= self.max_inflight:
-                break
             try:
                 buf = self.pool.acquire(load.dest.staging_nbytes)
             except PoolTooSmall as exc:
@@ -384,6 +418,7 @@ class StreamLoader:
             started.append(load)
         if not started:
             return
+        self._worker_progress = time.monotonic()
         try:
             self.runtime.submit(self._fetch_batch(started))
         except RuntimeClosed as exc:
@@ -538,6 +573,8 @@ class StreamLoader:
         cancels its children and waits for them, so their done-callbacks still hand every load back.
         """
         single_thread_torch()  # the loop's own copies must not start an OpenMP team beside the engine's
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_inflight)
         tasks: list[asyncio.Task[None]] = []
         staged = _Groups(GROUP_BYTES)
         in_place_bytes = sum(ld.dest.nbytes for ld in loads if isinstance(ld.dest, Scattered))
@@ -592,13 +629,29 @@ class StreamLoader:
             assert load.buf is not None and dest.dtype is not None and dest.shape is not None
             items.append((load.key, load.buf.view(dest.dtype, dest.shape)))
         cached_only = isinstance(loads[0].dest, Scattered)  # a group is all in place or all staged
-        statuses = await self.store.read_into_many(items, cached_only=cached_only)
+        if cached_only:  # memory copies into the caller's blocks: not held back by ``max_inflight``
+            statuses = await self._timed_call(loads, self.store.read_into_many(items, cached_only=True))
+        else:
+            async with self._call_slot():
+                statuses = await self._timed_call(loads, self.store.read_into_many(items))
         for status, load in zip(statuses, loads, strict=True):
             load.fetched = self._outcome(status, load.dest.dtype, load.dest.shape)
         # The group at once, with one wake-up: a wake-up per value had the worker thread polling (and taking
         # the GIL) between the loop's hand-backs of one call's values.
         self._fetched.extend(loads)  # one C call under the GIL: the worker pops whole loads in poll()
+        self._loop_progress = time.monotonic()
         self._landed.set()
+
+    def _call_slot(self) -> asyncio.Semaphore:
+        assert self._slots is not None, "set by _fetch_batch before any call starts"
+        return self._slots
+
+    async def _timed_call(self, loads: list[_Load], call: Awaitable[_T]) -> _T:
+        """Await one store call, marking when it began for every load it reads (see ``fetching_for``)."""
+        self._loop_progress = now = time.monotonic()
+        for load in loads:
+            load.started_at = now
+        return await call
 
     def _group_done(self, loads: list[_Load], task: asyncio.Task[None]) -> None:
         """A group's task ended without handing its loads back (cancelled, or the store failed): do it."""
@@ -611,7 +664,8 @@ class StreamLoader:
         """Fetch, then hand the load back at once: not from the task's done-callback, which the loop runs
         only after every other ready task's step -- with reads served inline (a cached ``file://`` value),
         a whole batch would land together after its last read instead of value by value."""
-        fetched = await self._fetch(load, buf)
+        async with self._call_slot():
+            fetched = await self._timed_call([load], self._fetch(load, buf))
         self._hand_back(load, fetched)  # nothing after this touches the buffer
 
     def _fetch_done(self, load: _Load, task: asyncio.Task[None]) -> None:
@@ -625,6 +679,7 @@ class StreamLoader:
     def _hand_back(self, load: _Load, fetched: _Fetched) -> None:
         load.fetched = fetched
         self._fetched.append(load)  # deque.append is thread-safe; the worker pops in poll()
+        self._loop_progress = time.monotonic()
         self._landed.set()
 
     async def _fetch(self, load: _Load, buf: PinnedBuffer) -> _Fetched:

@@ -353,12 +353,61 @@ def test_pool_exhaustion_queues_loads_in_order_then_all_complete(
     assert_idle(loader)
 
 
-def test_max_inflight_bounds_fetches_on_the_loop(runtime: Runtime, gated_store: TensorStore) -> None:
-    loader = make_loader(gated_store, runtime, max_inflight=3)
-    for i in range(10):
-        loader.submit(f"k{i}", NewTensor((4,), torch.float32))
-    assert loader.counters()["futures_pending"] == 3 and loader.counters()["queued"] == 7
-    loader.close()
+class _CountingBackend(GatedBackend):
+    """A gated store that counts the reads running at once."""
+
+    def __init__(self, *, gated: bool = True) -> None:
+        super().__init__(gated=gated)
+        self.active = self.peak = self.calls = 0
+
+    async def get_into(self, key, dests, sink=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            return await super().get_into(key, dests, sink)
+        finally:
+            self.active -= 1
+
+
+def test_max_inflight_bounds_store_calls_on_the_loop(runtime: Runtime) -> None:
+    """Every load with a buffer is handed to the loop; only ``max_inflight`` of them are in the store at
+    once, and the others wait for a call slot there (not in the worker's queue)."""
+    backend = _CountingBackend()
+    store = TensorStore(backend, timeout=5.0, name="counting")
+    values = {f"k{i}": torch.full((4,), float(i)) for i in range(10)}
+    backend.data.update({k: codec.encode(v, key=k) for k, v in values.items()})
+    loader = make_loader(store, runtime, max_inflight=3)
+    loader.submit_many((key, NewTensor((4,), torch.float32)) for key in values)
+    assert loader.counters()["futures_pending"] == 10 and loader.counters()["queued"] == 0
+    wait_until(lambda: backend.calls == 3, "three store calls")
+    time.sleep(0.05)
+    assert backend.calls == 3  # the other seven wait for a slot
+    now = time.monotonic()
+    assert sum(loader.fetching_for(key, now) > 0 for key in values) == 3  # waiting for a slot reads 0
+    runtime.call_soon(backend.gate.set)
+    results = drain_loads(loader, 10)
+    assert all(results[k].tensor is not None and torch.equal(results[k].tensor, v) for k, v in values.items())
+    assert backend.peak == 3 and backend.calls == 10
+    assert_idle(loader)
+
+
+def test_queued_loads_start_when_a_slot_frees_without_a_poll(runtime: Runtime) -> None:
+    """The loop starts the next load as soon as a store call ends: one ``wait`` (no ``poll``, as while vLLM's
+    thread runs a long step) sees every load land, with one call slot."""
+    backend = _CountingBackend(gated=False)
+    store = TensorStore(backend, timeout=5.0, name="counting")
+    values = {f"k{i}": torch.full((4,), float(i)) for i in range(5)}
+    backend.data.update({k: codec.encode(v, key=k) for k, v in values.items()})
+    loader = make_loader(store, runtime, max_inflight=1)
+    before = loader.last_progress
+    loader.submit_many((key, NewTensor((4,), torch.float32)) for key in values)
+    deadline = time.monotonic() + 10
+    while loader.wait(0.5) is False or backend.calls < 5:
+        assert time.monotonic() < deadline, "loads did not progress without a poll"
+    assert len(loader.poll()) == 5
+    assert backend.peak == 1
+    assert loader.last_progress > before
     assert_idle(loader)
 
 

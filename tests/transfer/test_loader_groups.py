@@ -247,8 +247,8 @@ def test_an_in_place_load_being_read_cannot_be_cancelled(
 ) -> None:
     """Its read may still write the caller's memory: cancel refuses, and the result comes as usual, which is
     how the caller learns that nothing writes any more. One still queued (behind a staged load waiting for
-    ``max_inflight``; in-place loads themselves are not held back by it) is dropped: nothing was written."""
-    runtime.run(file_store.put([("a", value(1)), ("s", value(2)), ("b", value(3))]))
+    a staging buffer; in-place loads themselves take none) is dropped: nothing was written."""
+    runtime.run(file_store.put([("a", value(1)), ("s", value(2)), ("t", value(4)), ("b", value(3))]))
     started = threading.Event()
     release = threading.Event()
     real = type(file_store.backend)._read_many
@@ -259,25 +259,27 @@ def test_an_in_place_load_being_read_cannot_be_cancelled(
         return real(self, reads, cached_only)  # type: ignore[arg-type]
 
     monkeypatch.setattr(type(file_store.backend), "_read_many", slow)
-    loader = StreamLoader(
-        file_store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(1 << 20), max_inflight=1
+    loader = StreamLoader(  # one 4 KiB staging buffer: "t" waits for the one "s" holds
+        file_store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(4096)
     )
     rows = {k: [torch.zeros(SHAPE)] for k in "ab"}
     loader.submit_many(
         [
             ("a", _in_place(rows["a"], SHAPE)),
             ("s", NewTensor(SHAPE, torch.float32)),
+            ("t", NewTensor(SHAPE, torch.float32)),
             ("b", _in_place(rows["b"], SHAPE)),
         ]
     )
     assert started.wait(5)
-    assert loader.counters()["queued"] == 2  # "s" waits for max_inflight, "b" behind it
+    assert loader.counters()["queued"] == 2  # "t" waits for a buffer, "b" behind it
     assert not loader.cancel("a")  # being read
     assert loader.cancel("b")  # still queued: dropped
     release.set()
-    results = drain_loads(loader, 2)
+    results = drain_loads(loader, 3)
     assert results["a"].in_place and torch.equal(rows["a"][0], value(1))
     assert results["s"].tensor is not None and torch.equal(results["s"].tensor, value(2))
+    assert results["t"].tensor is not None and torch.equal(results["t"].tensor, value(4))
     assert torch.equal(rows["b"][0], torch.zeros(SHAPE))
     assert_idle(loader)
 

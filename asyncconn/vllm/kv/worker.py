@@ -286,22 +286,29 @@ class KVWorkerSide:
     def _settle_sync_loads(self) -> None:
         """Wait until no sync load has a read outstanding, then settle them (see ``start_load_kv``).
 
-        Past a load's deadline ``_poll_loads`` drops its values; an in-place read already running still
-        writes the request's blocks, so the wait goes on until it ends -- a copy out of memory, as in-place
-        reads are only issued for values the store holds in memory. Only a read that is still running a
-        whole ``load_timeout`` later is left behind, with an error logged: that would be a broken store.
+        Once a load is stuck (``_stuck``) ``_poll_loads`` drops its values; an in-place read already
+        running still writes the request's blocks, so the wait goes on until it ends -- a copy out of
+        memory, as in-place reads are only issued for values the store holds in memory. Only a read that is
+        still running a whole ``load_timeout`` after every load timed out is left behind, with an error
+        logged: that would be a broken store.
         """
         pending = [load for load in self._req_loads.values() if load.sync]
         if not pending:
             return
-        give_up = max(load.deadline for load in pending) + self.load_timeout
+        give_up: float | None = None
         while any(load.remaining for load in pending):
             now = time.monotonic()
-            if now >= give_up:
-                log.error("KV sync load: reads still running %.1fs past their deadline", self.load_timeout)
-                break
-            soonest = min((load.deadline for load in pending if not load.timed_out), default=give_up)
-            if not self.loader.wait(min(max(soonest - now, 0.0), give_up - now) + 1e-4, first=True):
+            live = [load.deadline for load in pending if load.remaining and not load.timed_out]
+            if not live:
+                give_up = give_up if give_up is not None else now + self.load_timeout
+                if now >= give_up:
+                    log.error("KV sync load: reads still running %.1fs after timing out", self.load_timeout)
+                    break
+            # Until the first deadline, wait for it; past it, re-check for a stuck load every 10 ms (the
+            # wait returns as soon as a value lands either way).
+            until = min(live) if live else give_up
+            assert until is not None
+            if not self.loader.wait(max(until - now, 0.01), first=True):
                 time.sleep(1e-4)  # device copies in flight (the wait returns at once then): poll again soon
             self._poll_loads()
         now = time.monotonic()
@@ -359,14 +366,29 @@ class KVWorkerSide:
         if self._req_loads:
             now = time.monotonic()
             for rid, load in self._req_loads.items():
-                if load.remaining and not load.timed_out and now > load.deadline:
+                if load.remaining and not load.timed_out and now > load.deadline and self._stuck(load, now):
                     load.timed_out = True
                     log.warning(
-                        "KV load of request %s not done after %.1fs: recomputing", rid, self.load_timeout
+                        "KV load of request %s made no progress for %.1fs: recomputing",
+                        rid,
+                        self.load_timeout,
                     )
                     for key in list(load.remaining):
                         self._drop_target(rid, key, failed=load.failed_blocks)
                     self._stats.add("load_failures")
+
+    def _stuck(self, load: _ReqLoad, now: float) -> bool:
+        """Whether a load past its first deadline is stuck rather than slow: a store call of one of its
+        values has run for ``load_timeout``, or the loader as a whole has not moved for that long.
+
+        A request whose values wait behind other loads (call slots, staging buffers) moves the loader's
+        clock as they go, so a long prompt, or one loaded beside a long step of the engine, does not time
+        out on a healthy store; a store that stops answering does, within ``load_timeout``.
+        """
+        if now - self.loader.last_progress > self.load_timeout:
+            return True
+        fetching_for = self.loader.fetching_for
+        return any(fetching_for(key, now) > self.load_timeout for key in load.remaining)
 
     def _on_loaded(self, result: LoadResult) -> None:
         fetch = self._fetches.pop(result.key, None)

@@ -4,6 +4,7 @@ land only their positions, and landings are scattered while the others are still
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -374,5 +375,76 @@ def test_a_sync_load_past_its_timeout_fails_its_blocks_after_the_in_place_read_e
     worker.save(meta)
     assert worker.get_block_ids_with_load_errors() == {5}
     assert worker.get_finished(set(), step_tokens=9) == (None, None)
+    worker.shutdown()
+    assert not any(worker.counters().values()), worker.counters()
+
+
+def _slow_reads(monkeypatch: pytest.MonkeyPatch, worker: KVWorkerSide, seconds: float) -> list[int]:
+    """Every store read of ``worker`` takes ``seconds``; returns a list holding the reads running at most."""
+    backend_type = type(worker.store.backend)
+    real = backend_type.get
+    running = [0, 0]  # now, peak
+
+    async def slow(self: object, keys: Any) -> Any:
+        running[0] += 1
+        running[1] = max(running)
+        try:
+            await asyncio.sleep(seconds)
+            return await real(self, keys)  # type: ignore[arg-type]
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(backend_type, "get", slow)
+    return running
+
+
+def _put_values(runtime: Runtime, worker: KVWorkerSide, keys: KeySpace, n: int) -> list[ValueRef]:
+    values = [(bytes([v + 1]) * 32, torch.randn(len(LAYERS), 1, 2, 16, 8)) for v in range(n)]
+    runtime.run(worker.store.put([(keys.store_key(h, 0), val) for h, val in values]))
+    return [ValueRef(h, (0,), ((v,),)) for v, (h, _) in enumerate(values)]
+
+
+def test_a_load_queued_behind_others_does_not_time_out_while_the_store_answers(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt on a healthy store, polled only every 0.4 s (vLLM's thread busy with long steps): its
+    values wait for one call slot each, the loop starts each as the previous read ends, and the request
+    lands whole although it takes three times ``load_timeout`` -- the deadline measures no progress."""
+    worker, keys, _ = _worker(runtime, 1)
+    worker.loader.max_inflight = 1
+    worker.load_timeout = 0.3
+    running = _slow_reads(monkeypatch, worker, 0.05)
+    refs = _put_values(runtime, worker, keys, 18)  # 18 x 50 ms = 0.9 s of reads, one at a time
+    worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("r", tuple(refs))]))
+    t0 = time.monotonic()
+    got: set[str] = set()
+    while not got and time.monotonic() - t0 < 10:
+        time.sleep(0.4)  # a long step: no poll meanwhile
+        _, recving = worker.get_finished(set(), step_tokens=9)
+        got |= recving or set()
+    assert got == {"r"}
+    assert time.monotonic() - t0 > 3 * worker.load_timeout
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert running[1] == 1  # one read at a time: the values queued behind each other
+    stats = worker.stats()
+    assert stats is not None and not stats.data.get("load_failures")
+    worker.shutdown()
+    assert not any(worker.counters().values()), worker.counters()
+
+
+def test_a_load_whose_store_call_hangs_times_out_after_load_timeout(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that does not end (a store that ignores its own timeout): the request fails its blocks
+    ``load_timeout`` after the call began and is reported, though the loader is otherwise busy."""
+    worker, keys, _ = _worker(runtime, 1)
+    worker.load_timeout = 0.3
+    _slow_reads(monkeypatch, worker, 3.0)
+    refs = _put_values(runtime, worker, keys, 2)
+    worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("r", tuple(refs))]))
+    t0 = time.monotonic()
+    _receive(worker, "r")
+    assert 0.3 <= time.monotonic() - t0 < 2.5
+    assert worker.get_block_ids_with_load_errors() == {0, 1}
     worker.shutdown()
     assert not any(worker.counters().values()), worker.counters()
