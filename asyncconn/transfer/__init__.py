@@ -22,7 +22,7 @@ from asyncconn.transfer.failures import Failure
 from asyncconn.transfer.lazy import LazyTensor, Pieces, Shared, Slice
 from asyncconn.transfer.loader import LoadResult, StreamLoader
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
-from asyncconn.transfer.saver import SaveTracker
+from asyncconn.transfer.saver import SaveTracker, ShutdownReport
 
 __all__ = [
     "LOAD_PRIORITY",
@@ -39,6 +39,7 @@ __all__ = [
     "SaveTracker",
     "Scattered",
     "Shared",
+    "ShutdownReport",
     "Slice",
     "StreamLoader",
     "TransferDevice",

@@ -72,6 +72,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -89,9 +90,22 @@ from asyncconn.transfer.runs import runs
 from asyncconn.transfer.snapshot import Copier, CopyJob, Group
 from asyncconn.transfer.staging import Save, Source, Span, aligned
 
-__all__ = ["SaveTracker"]
+__all__ = ["SaveTracker", "ShutdownReport"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownReport:
+    """What :meth:`SaveTracker.close` found: saves in flight when it was called, and those of them the store
+    had not confirmed when the grace period ended (cancelled: their values may be missing)."""
+
+    in_flight: int = 0
+    abandoned: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.in_flight - self.abandoned
 
 
 class _Request:
@@ -436,16 +450,21 @@ class SaveTracker:
         out.update({f"failed_{reason.value}": n for reason, n in self.failures.items()})
         return out
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0) -> ShutdownReport:
         """Let running saves finish for up to ``timeout``, then cancel the rest and return their buffers.
 
         Copies already posted still run (their puts are not started once the grace period is over); the
-        copy thread is joined last.
+        copy thread is joined last. Returns how many saves were in flight and how many of them were
+        abandoned (not confirmed by the store within the grace period: their values may be missing), so
+        the owner can say so at shutdown. A second call does nothing and reports nothing.
         """
         if self._closed:
-            return
+            return ShutdownReport()
         self._closed = True
+        in_flight = sum(request.pending for request in self._requests.values())
         self.wait(list(self._requests), timeout)
+        self._progress()
+        report = ShutdownReport(in_flight, sum(request.pending for request in self._requests.values()))
         if self._copier is not None:
             self._copier.cancelling = True  # read by the copy thread: start no more puts
         deadline = time.monotonic() + timeout
@@ -473,6 +492,7 @@ class SaveTracker:
             log.warning(
                 "SaveTracker.close: %d staging buffers still out after %.1fs", self.buffers_out, timeout
             )
+        return report
 
     # -- worker side -----------------------------------------------------------------------------------
     def _progress(self) -> None:

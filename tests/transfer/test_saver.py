@@ -262,11 +262,30 @@ def test_close_cancels_hung_saves_and_returns_buffers(runtime: Runtime, gated: G
     tracker = make_tracker(TensorStore(gated), runtime, capacity=4096)
     tracker.submit("r1", "k1", torch.zeros(1024))
     tracker.submit("r2", "k2", torch.zeros(1024))  # queued: the only buffer is taken
-    tracker.close(timeout=0.05)
+    report = tracker.close(timeout=0.05)
     assert tracker.failures[Failure.STORE_ERROR] == 2
+    assert (report.in_flight, report.finished, report.abandoned) == (2, 0, 2)
     assert_idle(tracker)
     with pytest.raises(TransferError, match="closed"):
         tracker.submit("r3", "k3", torch.zeros(1))
+    assert tracker.close() == type(report)()  # a second close reports nothing
+
+
+def test_close_lets_saves_finish_within_the_grace_period_and_counts_them(
+    runtime: Runtime, gated: GatedBackend
+) -> None:
+    """Saves the store confirms during the grace period are finished, not abandoned; only the one whose
+    put is still hung when it ends is abandoned (cancelled, its value missing from the store)."""
+    gated.only_keys = {"hung"}
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime, put_batch=1)  # one put per save: the hung one holds only itself
+    tracker.submit("r1", "k1", torch.ones(256))
+    tracker.submit("r2", "k2", torch.ones(256))
+    tracker.submit("r3", "hung", torch.ones(256))
+    report = tracker.close(timeout=0.5)
+    assert (report.in_flight, report.finished, report.abandoned) == (3, 2, 1)
+    assert "k1" in gated.data and "k2" in gated.data and "hung" not in gated.data
+    assert_idle(tracker)
 
 
 def test_closed_runtime_fails_saves_without_raising(store: TensorStore) -> None:

@@ -448,3 +448,33 @@ def test_a_load_whose_store_call_hangs_times_out_after_load_timeout(
     assert worker.get_block_ids_with_load_errors() == {0, 1}
     worker.shutdown()
     assert not any(worker.counters().values()), worker.counters()
+
+
+def test_shutdown_bounds_the_wait_for_saves_and_says_how_many_it_abandoned(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Engine shutdown with saves in flight on a store that stopped answering: ``shutdown`` returns within
+    its bound and one line says how many saves were in flight and how many were abandoned."""
+    worker, _, caches = _worker(runtime, 1)
+    for cache in caches.values():
+        cache[20:23].normal_()
+    backend_type = type(worker.store.backend)
+
+    async def hung(self: object, items: Any) -> None:
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(backend_type, "put", hung)
+    saves = [SaveSpec(f"r{v}", (ValueRef(bytes([v + 20]) * 32, (0,), ((20 + v,),)),)) for v in range(3)]
+    meta = AsyncConnKVMetadata(saves=saves, step_tokens=3)
+    worker.start_load_kv(meta)
+    worker.save(meta)
+    t0 = time.monotonic()
+    with caplog.at_level("INFO", logger="asyncconn.vllm.kv.worker"):
+        worker.shutdown(timeout=0.3)
+    assert time.monotonic() - t0 < 3.0
+    lines = [r.getMessage() for r in caplog.records if "KV connector shutdown" in r.getMessage()]
+    assert lines == [
+        "KV connector shutdown: 3 saves in flight, 0 finished within 0.3s, 3 abandoned (not in the store; "
+        "those prompts are computed again on their next request)"
+    ]
+    assert not any(worker.counters().values()), worker.counters()
