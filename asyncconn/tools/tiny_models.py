@@ -36,7 +36,7 @@ _VERSION = 2
 class ModelSpec:
     """One tiny model: its family and sizes."""
 
-    family: str  # "llama" or "blip2"
+    family: str  # "llama", "gemma3" (text) or "blip2"
     hidden: int
     layers: int
     heads: int
@@ -46,6 +46,8 @@ class ModelSpec:
     max_positions: int = 4096
     std: float = 0.1  # spread of the decoder's matrices
     about: str = ""
+    sliding_window: int = 0  # gemma3: tokens each sliding-window layer attends to
+    full_every: int = 0  # gemma3: every n-th layer is full attention, the others sliding-window
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -61,6 +63,18 @@ MODELS: dict[str, ModelSpec] = {
         max_positions=16384,
         std=0.05,
         about="14-layer Llama, ~100M parameters (benchmarks: prefill dominates)",
+    ),
+    "hybrid": ModelSpec(
+        "gemma3",
+        128,
+        4,
+        4,
+        2,
+        256,
+        std=0.3,
+        sliding_window=64,
+        full_every=4,
+        about="4-layer Gemma-3-style text model: 3 sliding-window layers (64 tokens), 1 full-attention layer",
     ),
     "vision": ModelSpec(
         "blip2",
@@ -101,6 +115,8 @@ def build_model(
     try:
         if spec.family == "llama":
             _build_llama(spec, tmp)
+        elif spec.family == "gemma3":
+            _build_gemma3(spec, tmp)
         else:
             _build_blip2(spec, tmp)
         try:
@@ -158,6 +174,45 @@ def _build_llama(spec: ModelSpec, out: Path) -> None:
     config.pad_token_id = 0
     model = LlamaForCausalLM(config)
     _init_weights(model, lambda _name: spec.std)
+    model.save_pretrained(out, safe_serialization=True)
+    special = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, "<mask>": 4}
+    _word_tokenizer(spec.vocab, special).save_pretrained(out)
+
+
+def _build_gemma3(spec: ModelSpec, out: Path) -> None:
+    """Sliding-window layers interleaved with full-attention ones: vLLM's hybrid KV cache manager gives each
+    kind its own KV cache groups, and frees a sliding-window layer's blocks once they leave its window."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    head_dim = spec.hidden // spec.heads
+    config = Gemma3TextConfig(
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        vocab_size=spec.vocab,
+        max_position_embeddings=spec.max_positions,
+        sliding_window=spec.sliding_window,
+        layer_types=[
+            "full_attention" if (i + 1) % spec.full_every == 0 else "sliding_attention"
+            for i in range(spec.layers)
+        ],
+        tie_word_embeddings=True,
+    )
+    config.bos_token_id = config.eos_token_id = 1
+    config.pad_token_id = 0
+    model = Gemma3ForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:  # Gemma's norms scale by (1 + weight): 0 is the identity
+                param.zero_()
+            else:
+                param.normal_(0.0, spec.std)
     model.save_pretrained(out, safe_serialization=True)
     special = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, "<mask>": 4}
     _word_tokenizer(spec.vocab, special).save_pretrained(out)

@@ -51,6 +51,7 @@ from asyncconn.transfer import CpuDevice, Failure, LoadResult, NewTensor, SaveTr
 from asyncconn.transfer.lazy import Pieces, Shared
 from asyncconn.transfer.purge import Purger
 from asyncconn.transfer.runs import runs
+from asyncconn.vllm.kv.groups import NULL_BLOCK_ID, has_null, real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, SaveSpec, ValueRef
 
@@ -150,6 +151,7 @@ class KVWorkerSide:
         rank: int = 0,
         load_timeout: float = 10.0,
         preempt_timeout: float = 5.0,
+        windowed: bool = False,
     ) -> None:
         if loader.device is saver.device:
             raise ConfigError(
@@ -167,6 +169,10 @@ class KVWorkerSide:
         self.rank = rank
         self.load_timeout = load_timeout
         self.preempt_timeout = preempt_timeout
+        # Some KV cache group is windowed (sliding-window, chunked-local): vLLM hands such a group's blocks
+        # back to the pool while the request runs, and the next step may zero and write them for another
+        # request. A step's saves are then gathered here, on vLLM's thread, not later on the copy thread.
+        self.windowed = windowed
         self.caches: dict[str, torch.Tensor] = {}
         self._layer_caches: list[tuple[torch.Tensor, int]] = []  # (cache, KV cache group) per layer, in order
         self._whole: tuple[int, ...] = ()  # every block position of a value
@@ -328,7 +334,7 @@ class KVWorkerSide:
         cache (CPU engine), a store that serves reads from memory (``file://``'s page cache), and the whole
         value wanted. Its bytes, layer by layer, are the blocks ``ref.block_ids`` of each layer in order (a
         run of consecutive ids is one piece), so no staging buffer and no copy out of one."""
-        if self._cache_bytes is None or ref.positions != self._whole:
+        if self._cache_bytes is None or ref.positions != self._whole or has_null(ref.block_ids):
             return None
         assert self.layout is not None and self._staged is not None
         per_block = self._block_bytes
@@ -423,7 +429,7 @@ class KVWorkerSide:
                 continue
             load.remaining.discard(result.key)
             if not ok:
-                load.failed_blocks.update(b for g in ref.block_ids for b in g)
+                load.failed_blocks.update(real_blocks(ref.block_ids))
                 continue
             if value is None:  # landed in the owner's blocks; another request copies them from there
                 if ref is not fetch.owner_ref:
@@ -438,21 +444,21 @@ class KVWorkerSide:
             self._stats.add("tokens_loaded", len(ref.positions) * block_size)
 
     def _scatter(self, value: torch.Tensor, ref: ValueRef) -> None:
-        """Write the value's blocks at ``ref.positions`` into every layer, at the request's block ids."""
+        """Write the value's blocks at ``ref.positions`` into every layer, at the request's block ids.
+
+        A group with the null block at a position (a sliding-window group, outside the window at the cut)
+        is not written there: vLLM never reads it, and the null block belongs to no request.
+        """
         assert self.layout is not None
         dim = self.layout.block_dim
         device = value.device
-        # Consecutive block ids (one block; or a run, as a fresh pool hands them out) are a plain slice of
-        # the cache: a copy_, no index tensor to build per value.
-        ids: list[int | torch.Tensor] = [
-            g[0] if g == tuple(range(g[0], g[0] + len(g))) else _index(g, device) for g in ref.block_ids
-        ]
-        n = len(ref.positions)
-        whole = ref.positions == self._whole  # the whole value, in order: no gather of its blocks first
-        positions = None if whole else _index(ref.positions, device)
+        plans = [_group_plan(g, ref.positions, self._whole, device) for g in ref.block_ids]
         for index, (cache, group) in enumerate(self._layer_caches):
+            plan = plans[group]
+            if plan is None:
+                continue
+            where, positions, n = plan
             src = value[index] if positions is None else value[index].index_select(dim, positions)
-            where = ids[group]
             if isinstance(where, int):
                 cache.narrow(dim, where, n).copy_(src)
             else:
@@ -470,9 +476,9 @@ class KVWorkerSide:
         through :meth:`_scatter`.
         """
         batch, self._batch = self._batch, []
-        whole = [(value, ref) for value, ref in batch if ref.positions == self._whole]
+        whole = [(v, ref) for v, ref in batch if ref.positions == self._whole and not has_null(ref.block_ids)]
         for value, ref in batch:
-            if ref.positions != self._whole:
+            if ref.positions != self._whole or has_null(ref.block_ids):
                 self._scatter(value, ref)
         if len(whole) == 1:
             self._scatter(*whole[0])
@@ -508,7 +514,7 @@ class KVWorkerSide:
         for target in fetch.targets:
             if target[0] == rid:
                 if failed is not None:
-                    failed.update(b for g in target[1].block_ids for b in g)
+                    failed.update(real_blocks(target[1].block_ids))
             else:
                 kept.append(target)
         fetch.targets = kept
@@ -570,6 +576,8 @@ class KVWorkerSide:
         dim, bpv, dtype = self.layout.block_dim, self.keys.blocks_per_value, self.layout.dtype
         shape = self._value_shape()
         shared = Shared(functools.partial(_gather_specs, self._layer_caches, specs, dim))
+        if self.windowed:
+            shared.get()  # a private copy of the step's blocks before vLLM may reuse them (see __init__)
         name = self._namers.get(self.rank)
         if name is None:
             name = self._namers[self.rank] = self.keys.namer(self.rank)
@@ -780,6 +788,24 @@ class KVWorkerSide:
                 concurrent.futures.TimeoutError,
             ) as exc:  # never raise into vLLM's teardown
                 log.warning("KV connector: closing the store failed: %s", exc)
+
+
+def _group_plan(
+    ids: Sequence[int], positions: tuple[int, ...], whole: tuple[int, ...], device: torch.device
+) -> tuple[int | torch.Tensor, torch.Tensor | None, int] | None:
+    """Where one group's layers take a value's blocks: (block ids -- the first one when they are a run of
+    consecutive ids, a plain slice of the cache with no index tensor to build --, the value positions to
+    take or None for the whole value in order, the count); None when every position is the null block."""
+    if NULL_BLOCK_ID in ids:
+        keep = [i for i, b in enumerate(ids) if b != NULL_BLOCK_ID]
+        if not keep:
+            return None
+        ids = [ids[i] for i in keep]
+        positions = tuple(positions[i] for i in keep)
+    first = ids[0]
+    run = tuple(ids) == tuple(range(first, first + len(ids)))
+    where: int | torch.Tensor = first if run else _index(ids, device)
+    return where, (None if positions == whole else _index(positions, device)), len(ids)
 
 
 def _rows_of_one(values: list[torch.Tensor]) -> torch.Tensor:

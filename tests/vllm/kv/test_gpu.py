@@ -70,7 +70,7 @@ def test_a_batch_scatters_as_one_scatter_per_value_would() -> None:
             ValueRef(b"a" * 32, (0, 1), ((9, 3),)),
             ValueRef(b"b" * 32, (1,), ((40,),)),
             ValueRef(b"c" * 32, (0, 1), ((11, 12),)),
-            ValueRef(b"d" * 32, (0, 1), ((63, 0),)),
+            ValueRef(b"d" * 32, (0, 1), ((63, 1),)),
         ]
         worker._batch = list(zip(values, refs, strict=True))
         worker._scatter_batch()

@@ -42,7 +42,11 @@ def runtime() -> Iterator[Runtime]:
 
 
 def _worker(
-    runtime: Runtime, blocks_per_value: int, url: str | None = None, kv_outer: bool = False
+    runtime: Runtime,
+    blocks_per_value: int,
+    url: str | None = None,
+    kv_outer: bool = False,
+    groups: dict[str, int] | None = None,
 ) -> tuple[KVWorkerSide, KeySpace, dict[str, torch.Tensor]]:
     """A worker on host caches of ``[NUM_BLOCKS, 2, 16, 8]`` per layer (``kv_outer``: ``[2, NUM_BLOCKS, 16,
     8]``, K and V apart, vLLM's other layout)."""
@@ -60,7 +64,7 @@ def _worker(
         saver=SaveTracker(store, runtime=runtime, device=CpuDevice(), pool=pool),
         runtime=runtime,
         layers=LAYERS,
-        group_of_layer=dict.fromkeys(LAYERS, 0),
+        group_of_layer=groups or dict.fromkeys(LAYERS, 0),
         num_blocks=NUM_BLOCKS,
     )
     shape = (2, NUM_BLOCKS, 16, 8) if kv_outer else (NUM_BLOCKS, 2, 16, 8)
@@ -401,7 +405,7 @@ def _slow_reads(monkeypatch: pytest.MonkeyPatch, worker: KVWorkerSide, seconds: 
 def _put_values(runtime: Runtime, worker: KVWorkerSide, keys: KeySpace, n: int) -> list[ValueRef]:
     values = [(bytes([v + 1]) * 32, torch.randn(len(LAYERS), 1, 2, 16, 8)) for v in range(n)]
     runtime.run(worker.store.put([(keys.store_key(h, 0), val) for h, val in values]))
-    return [ValueRef(h, (0,), ((v,),)) for v, (h, _) in enumerate(values)]
+    return [ValueRef(h, (0,), ((v + 1,),)) for v, (h, _) in enumerate(values)]  # block 0: the null block
 
 
 def test_a_load_queued_behind_others_does_not_time_out_while_the_store_answers(
@@ -445,7 +449,7 @@ def test_a_load_whose_store_call_hangs_times_out_after_load_timeout(
     t0 = time.monotonic()
     _receive(worker, "r")
     assert 0.3 <= time.monotonic() - t0 < 2.5
-    assert worker.get_block_ids_with_load_errors() == {0, 1}
+    assert worker.get_block_ids_with_load_errors() == {1, 2}
     worker.shutdown()
     assert not any(worker.counters().values()), worker.counters()
 
@@ -477,4 +481,74 @@ def test_shutdown_bounds_the_wait_for_saves_and_says_how_many_it_abandoned(
         "KV connector shutdown: 3 saves in flight, 0 finished within 0.3s, 3 abandoned (not in the store; "
         "those prompts are computed again on their next request)"
     ]
+    assert not any(worker.counters().values()), worker.counters()
+
+
+@pytest.mark.parametrize("store", ["memory", "file"])
+def test_a_windowed_group_is_not_written_where_it_has_the_null_block(
+    runtime: Runtime, tmp_path: Path, store: str
+) -> None:
+    """A hybrid model: layers 0 and 1 in a sliding-window group that has vLLM's null block (id 0) at the
+    value's first position (outside the window at the cut), layer 2 in a full-attention group. The value
+    lands whole in layer 2 and only at its second position in layers 0 and 1; block 0 is never written, and
+    a failed value never names it as a load error."""
+    url = f"file://{tmp_path}/store" if store == "file" else None
+    groups = {"layer.0": 0, "layer.1": 0, "layer.2": 1}
+    worker, keys, caches = _worker(runtime, 2, url, groups=groups)
+    value = torch.randn(len(LAYERS), 2, 2, 16, 8)
+    runtime.run(worker.store.put([(keys.store_key(b"\x01" * 32, 0), value)]))
+    ref = ValueRef(b"\x01" * 32, (0, 1), ((0, 7), (5, 6)))
+    missing = ValueRef(b"\x02" * 32, (0, 1), ((0, 9), (10, 11)))
+    worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("r", (ref, missing))]))
+    _receive(worker, "r")
+    assert worker.get_block_ids_with_load_errors() == {9, 10, 11}  # never the null block
+    for name in ("layer.0", "layer.1"):
+        assert torch.equal(caches[name][7], value[LAYERS.index(name), 1])
+        assert not caches[name][0].any()  # the null block: untouched
+    assert torch.equal(caches["layer.2"][5], value[2, 0]) and torch.equal(caches["layer.2"][6], value[2, 1])
+    assert not caches["layer.2"][0].any()
+    worker.shutdown()
+    assert not any(worker.counters().values()), worker.counters()
+
+
+def test_a_windowed_models_saves_are_gathered_before_save_returns(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM frees a sliding-window group's blocks while the request runs, and the next step may write them
+    for another request: the step's blocks are copied on vLLM's thread before ``save`` returns (not later
+    on the copy thread), so what is stored is what this step computed even if the blocks change at once."""
+    from asyncconn.vllm.kv import worker as worker_module
+
+    groups = {"layer.0": 0, "layer.1": 0, "layer.2": 1}
+    worker, keys, caches = _worker(runtime, 1, groups=groups)
+    worker.windowed = True
+    threads: list[str] = []
+    real = worker_module._gather_specs
+
+    def gather(*args: Any) -> torch.Tensor:
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(worker_module, "_gather_specs", gather)
+    for cache in caches.values():
+        cache[3:5].normal_()
+    want = [torch.stack([caches[n][b].clone() for n in LAYERS]).unsqueeze(1) for b in (3, 4)]
+    saves = [
+        SaveSpec(
+            "r", (ValueRef(b"\x05" * 32, (0,), ((3,), (3,))), ValueRef(b"\x06" * 32, (0,), ((4,), (4,))))
+        )
+    ]
+    meta = AsyncConnKVMetadata(saves=saves, step_tokens=2)
+    worker.start_load_kv(meta)
+    worker.save(meta)
+    assert threads == [threading.current_thread().name]
+    for cache in caches.values():  # the next step reuses the blocks at once
+        cache[3:5].zero_()
+    deadline = time.monotonic() + 10
+    while worker.get_finished({"r"})[0] != {"r"}:
+        assert time.monotonic() < deadline, "saves not reported"
+        time.sleep(0.001)
+    got = runtime.run(worker.store.get([keys.store_key(b"\x05" * 32, 0), keys.store_key(b"\x06" * 32, 0)]))
+    assert all(g is not None and torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    worker.shutdown()
     assert not any(worker.counters().values()), worker.counters()
