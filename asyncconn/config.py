@@ -183,6 +183,21 @@ class Settings:
         shown = (f"{f.name}={_field_repr(getattr(self, f.name))}" for f in dataclasses.fields(self))
         return f"Settings({', '.join(shown)})"
 
+    def non_defaults(self) -> dict[str, Any]:
+        """The settings that differ from their defaults, URLs redacted: what a start-up line reports."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                out[f.name] = redact(value) if isinstance(value, str) else value
+        return out
+
+    def inline_password(self) -> bool:
+        """True when ``backend_url`` holds its password itself (rather than naming ``password_env`` or
+        ``password_file``). Why it matters: vLLM prints ``kv_connector_extra_config`` verbatim at start-up,
+        so such a password reaches the engine's log."""
+        return parse_url(self.backend_url).password_from == "userinfo"
+
     @classmethod
     def documentation(cls) -> list[tuple[str, Any, str]]:
         """(key, default, meaning) for every key, in declaration order (used by the docs test)."""

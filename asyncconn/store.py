@@ -26,7 +26,15 @@ import torch
 
 from asyncconn import codec
 from asyncconn.backend import NOT_CACHED, SelfChecked, StorageBackend, checked_keys, open_backend
-from asyncconn.exceptions import BackendError, BackendTimeout, CodecError, FrameMismatch, InvalidInput
+from asyncconn.exceptions import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    CodecError,
+    FrameMismatch,
+    InvalidInput,
+)
+from asyncconn.reachability import Reachability
 from asyncconn.runtime import fork_generation, forked_error, keep_inherited
 from asyncconn.url import StoreURL, parse_url, redact
 
@@ -128,6 +136,9 @@ class TensorStore:
         self.max_payload = max_payload
         self.name = name
         self.stats = StoreStats()
+        #: Reachable or not, as this store's calls see it; logs one line when it goes away, one when back.
+        self.reachability = Reachability(name)
+        self._closing = False
         self._generation = fork_generation()
         self._pid = os.getpid()
 
@@ -321,6 +332,7 @@ class TensorStore:
         return await self._call(self.backend.delete(keys), "delete")
 
     async def close(self) -> None:
+        self._closing = True  # a call failing from here on is the close, not the store going away
         if self._generation != fork_generation():  # the connections are the parent's: leave them be
             keep_inherited(self.backend)
             return
@@ -332,15 +344,27 @@ class TensorStore:
             if asyncio.iscoroutine(coro):
                 coro.close()
             raise forked_error(f"store {self.name}", self._pid)
+        reach = self.reachability
         try:
             async with asyncio.timeout(self.timeout):
-                return await coro
+                result = await coro
         except TimeoutError:
             self.stats.timeouts += 1
+            if not self._closing:
+                reach.failed(f"{what} timed out after {self.timeout:g}s")
             raise BackendTimeout(f"{self.name}: {what} did not finish within {self.timeout:g}s") from None
+        except BackendUnavailable as exc:
+            self.stats.errors += 1
+            if not self._closing:
+                reach.failed(f"{what}: {exc}")
+            raise
         except BackendError:
             self.stats.errors += 1
+            reach.answered()  # the store answered, with an error of its own: it is there
             raise
+        if not reach.reachable:
+            reach.answered()
+        return result
 
     def _count(self, hit: bool) -> None:
         self.stats.gets += 1

@@ -37,7 +37,9 @@ from asyncconn.exceptions import AsyncConnError, ConfigError, LoopThreadBlocked,
 from asyncconn.lookup.metrics import LookupMetrics
 from asyncconn.lookup.protocol import Key, Kind
 from asyncconn.lookup.transports import Answer, LookupTransport
+from asyncconn.reachability import Reachability
 from asyncconn.runtime import Runtime, get_runtime
+from asyncconn.transfer.failures import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,8 @@ class LookupClient(Generic[R]):
         self.timeout = timeout
         self.max_pending = max_pending
         self.metrics = LookupMetrics()
+        # Timeouts are misses the scheduler cannot tell from real ones: say so, at most a line per interval.
+        self._timeout_log = RateLimitedLog(log)  # loop thread
         self._rt = runtime or get_runtime()
         self._loop = self._rt.loop
         self._transport = transport
@@ -249,6 +253,13 @@ class LookupClient(Generic[R]):
             return self.mode.miss(len(keys))
         return result
 
+    @property
+    def store_reachability(self) -> Reachability | None:
+        """The reachability of the store this client queries itself (a direct transport), else None: a
+        lookup server's store is the server's to watch and report."""
+        reach = getattr(getattr(self._transport, "_store", None), "reachability", None)
+        return reach if isinstance(reach, Reachability) else None
+
     def counters(self) -> dict[str, int]:
         """Sizes of every internal structure (tests check that they come back to zero)."""
         return {
@@ -359,11 +370,21 @@ class LookupClient(Generic[R]):
             if entry.deadline > now:
                 break
             expired.append(wid)
+        timed_out = 0
         for wid in expired:
             entry = inflight.pop(wid)
             if not entry.discarded:
-                self.metrics.timeouts += 1
+                timed_out += 1
                 self._resolve(entry, self.mode.miss(len(entry.keys)))
+        if timed_out:
+            self.metrics.timeouts += timed_out
+            self._timeout_log.warning(
+                "timeout",
+                "lookup: %d lookups unanswered after %gs, served as misses; %d lookup timeouts since start",
+                timed_out,
+                self.timeout,
+                self.metrics.timeouts,
+            )
         if not inflight:
             self._inflight = {}
         if expired:

@@ -189,6 +189,28 @@ class Probe:
             blocks.append({name: cache[block_id].clone() for name, cache in caches.items()})
         return blocks
 
+    def kv_groups(self) -> list[tuple[str, list[str]]]:
+        """(spec kind, layer names) of each KV cache group, in group order (one group without the hybrid
+        manager; one per attention kind and layer slice with it)."""
+        config = self.scheduler.kv_cache_config
+        return [(type(g.kv_cache_spec).__name__, list(g.layer_names)) for g in config.kv_cache_groups]
+
+    def prompt_kv_by_group(self, prompt: Sequence[int]) -> list[dict[str, torch.Tensor | None]]:
+        """Per full block of ``prompt``: every layer's KV of that block as cached in the layer's group, or
+        None where that group holds no cached block for it (a sliding-window group outside its window)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        caches = self.kv_caches()
+        groups = self.kv_groups()
+        blocks: list[dict[str, torch.Tensor | None]] = []
+        for block_hash in self.block_hashes(prompt):
+            row: dict[str, torch.Tensor | None] = {}
+            for g, (_, layers) in enumerate(groups):
+                found = pool.get_cached_block(block_hash, [g])
+                for name in layers:
+                    row[name] = None if not found else caches[name][found[0].block_id].clone()
+            blocks.append(row)
+        return blocks
+
     def settle(self, timeout: float = 30.0) -> None:
         """Step the engine until it holds no request (saves that delay block frees included)."""
         import time

@@ -208,7 +208,7 @@ def _build_gemma3(spec: ModelSpec, out: Path) -> None:
     model = Gemma3ForCausalLM(config)
     torch.manual_seed(0)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:  # Gemma's norms scale by (1 + weight): 0 is the identity
                 param.zero_()
             else:

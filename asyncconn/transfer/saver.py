@@ -611,9 +611,9 @@ class SaveTracker:
         for batch in job.batches:
             if batch.error is not None:
                 reason, detail = batch.error
-                self._failure_log.warning(reason, "%d saves failed, %s: %s", len(batch.saves), reason, detail)
                 for save in batch.saves:
                     self._complete(save, reason, detail, quiet=True)
+                self._log_failed(reason, len(batch.saves), detail)
             else:
                 self.futures_pending += 1
                 self._batches.add(batch)
@@ -636,19 +636,21 @@ class SaveTracker:
         self.futures_pending -= 1
         self._batches.discard(batch)
         if future.cancelled():
-            self._failure_log.warning(
-                "cancelled", "%d saves cancelled (tracker or runtime closed)", len(batch.saves)
-            )
             for save in batch.saves:
                 self._complete(save, Failure.STORE_ERROR, "put cancelled", quiet=True)
+            self._failure_log.warning(
+                "cancelled",
+                "%d saves cancelled (tracker or runtime closed); %d failed saves (store_error) since start",
+                len(batch.saves),
+                self.failures[Failure.STORE_ERROR],
+            )
             return
         exc = future.exception()
         if exc is not None:
             reason, detail = classify(exc)
-            # At most one line per kind of failure and interval: a store that is down must not flood the log.
-            self._failure_log.warning(reason, "%d saves failed, %s: %s", len(batch.saves), reason, detail)
             for save in batch.saves:
                 self._complete(save, reason, detail, quiet=True)
+            self._log_failed(reason, len(batch.saves), detail)
             return
         for save, existed in zip(batch.saves, future.result(), strict=True):
             if existed:
@@ -658,6 +660,20 @@ class SaveTracker:
                 self.saved_bytes += save.nbytes()
             self._remember(save.ident)
             self._complete(save, None, "")
+
+    def _log_failed(self, reason: Failure, count: int, detail: str) -> None:
+        """One line for a failed batch, at most one per kind of failure and interval (a store that is down
+        must not flood the log). It names the running total, which is the exported counter: a line's own
+        count alone fell short of the counter whenever lines were held back."""
+        self._failure_log.warning(
+            reason,
+            "%d saves failed, %s: %s; %d failed saves (%s) since start",
+            count,
+            reason,
+            detail,
+            self.failures[reason],
+            reason,
+        )
 
     def _complete(self, save: Save, failure: Failure | None, detail: str, *, quiet: bool = False) -> None:
         """Release everything the save holds and count it against its request."""

@@ -3,7 +3,9 @@
 vLLM hands each connector class its metric types (multiprocess-safe when the API server runs several
 processes) and later the interval stats its connectors reported (``KVConnectorStats.to_dict()`` /
 ``ECConnectorStats.data``). Each declared name becomes ``asyncconn:<kind>_<name>`` (exposed by the
-Prometheus client with a ``_total`` suffix), labelled per engine like vLLM's own series. Latency
+Prometheus client with a ``_total`` suffix), labelled per engine like vLLM's own series; a gauge (carried in
+the stats as changes) keeps its name, ``asyncconn:<kind>_<name>``. docs/operations.md lists every series and
+the alert to set on it. Latency
 histograms stay in vLLM's connector log lines: they are kept as our own bucket counts, which a Prometheus
 histogram cannot take without re-observing every sample.
 """
@@ -13,9 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["EC_COUNTERS", "ec_prom_metrics", "kv_prom_metrics"]
+__all__ = ["EC_COUNTERS", "EC_GAUGES", "ec_prom_metrics", "kv_prom_metrics"]
 
-#: The EC figures exported (stats keys; per-reason load failures are summed into ``load_failed``).
+#: Why an EC load or save failed (``load_failed_<cause>``, ``save_failed_<cause>``).
+_EC_CAUSES = ("miss", "corrupt", "timeout", "store_error", "too_large", "device_error")
+
+#: The EC figures exported (stats keys; per-reason failures are also summed into ``load_failed``). ``saves``
+#: are items the store confirmed written, ``saves_submitted`` those handed to the save tracker.
 EC_COUNTERS = (
     "lookups",
     "lookup_hits",
@@ -29,12 +35,19 @@ EC_COUNTERS = (
     "loaded",
     "loaded_bytes",
     "load_failed",
+    *(f"load_failed_{cause}" for cause in _EC_CAUSES),
     "saves",
+    "saves_submitted",
     "saved_bytes",
+    "save_failed",
+    *(f"save_failed_{cause}" for cause in _EC_CAUSES),
     "saves_done",
     "saves_confirmed",
     "saves_unconfirmed",
+    "store_outages",
 )
+#: EC gauges: processes (scheduler, workers) whose store is unreachable now.
+EC_GAUGES = ("store_unreachable",)
 
 
 def _unregister(name: str) -> None:
@@ -81,6 +94,45 @@ class _Counters:
                 child.inc(value)
 
 
+class _Gauges:
+    """One per-engine gauge child per name; the stats carry each gauge's change, added by ``observe``.
+
+    Why changes: each process reports only when something changed, and vLLM sums the reports of all
+    workers; a change sums correctly where a level would not.
+    """
+
+    def __init__(
+        self,
+        gauge_cls: Any,
+        kind: str,
+        names: Iterable[str],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self.children: dict[str, dict[int, Any]] = {}
+        self._levels: dict[tuple[str, int], int] = {}
+        for name in names:
+            _unregister(f"asyncconn:{kind}_{name}")
+            metric = gauge_cls(
+                name=f"asyncconn:{kind}_{name}",
+                documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (processes)",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            self.children[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, data: Mapping[str, Any], engine_idx: int) -> None:
+        for name, per_engine in self.children.items():
+            value = data.get(name)
+            child = per_engine.get(engine_idx)
+            if child is not None and isinstance(value, int) and not isinstance(value, bool) and value:
+                # Set, not inc: vLLM's gauges are "mostrecent" across its API server processes.
+                level = self._levels[name, engine_idx] = self._levels.get((name, engine_idx), 0) + value
+                child.set(level)
+
+
 def _prom_metrics(
     base: type[Any],
     kind: str,
@@ -90,15 +142,18 @@ def _prom_metrics(
     labelnames: list[str],
     per_engine_labelvalues: dict[int, list[object]],
     derive: Callable[[dict[str, Any]], None] | None = None,
+    gauges: Iterable[str] = (),
 ) -> Any:
-    """An instance of vLLM's ``base`` prom-metrics class (KV or EC: same constructor) feeding our counters;
-    ``derive`` adds computed names to a copy of each interval's stats before they are counted."""
-    from prometheus_client import Counter
+    """An instance of vLLM's ``base`` prom-metrics class (KV or EC: same constructor) feeding our counters
+    and ``gauges``; ``derive`` adds computed names to a copy of each interval's stats before they are
+    counted."""
+    from prometheus_client import Counter, Gauge
 
     class AsyncConnPromMetrics(base):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
             self._counters = _Counters(metric_types[Counter], kind, names, labelnames, per_engine_labelvalues)
+            self._gauges = _Gauges(metric_types[Gauge], kind, gauges, labelnames, per_engine_labelvalues)
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             data = transfer_stats_data
@@ -106,6 +161,7 @@ def _prom_metrics(
                 data = dict(data)
                 derive(data)
             self._counters.observe(data, engine_idx)
+            self._gauges.observe(data, engine_idx)
 
     return AsyncConnPromMetrics()
 
@@ -122,13 +178,14 @@ def kv_prom_metrics(
     labelnames: list[str],
     per_engine_labelvalues: dict[int, list[object]],
 ) -> Any:
-    """``AsyncConnKVConnector.build_prom_metrics``: every counter of ``kv.metadata.COUNTERS``."""
+    """``AsyncConnKVConnector.build_prom_metrics``: every counter of ``kv.metadata.COUNTERS`` and gauge of
+    ``kv.metadata.GAUGES``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-    from asyncconn.vllm.kv.metadata import COUNTERS
+    from asyncconn.vllm.kv.metadata import COUNTERS, GAUGES
 
     args = (vllm_config, metric_types, labelnames, per_engine_labelvalues)
-    return _prom_metrics(KVConnectorPromMetrics, "kv", COUNTERS, *args)
+    return _prom_metrics(KVConnectorPromMetrics, "kv", COUNTERS, *args, gauges=GAUGES)
 
 
 def ec_prom_metrics(
@@ -141,4 +198,6 @@ def ec_prom_metrics(
     from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics
 
     args = (vllm_config, metric_types, labelnames, per_engine_labelvalues)
-    return _prom_metrics(ECConnectorPromMetrics, "ec", EC_COUNTERS, *args, derive=_sum_load_failures)
+    return _prom_metrics(
+        ECConnectorPromMetrics, "ec", EC_COUNTERS, *args, derive=_sum_load_failures, gauges=EC_GAUGES
+    )

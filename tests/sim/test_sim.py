@@ -16,6 +16,8 @@ from asyncconn.exceptions import SimulationError
 from asyncconn.sim.engine import ConnectorSpec, MMItem, SimShape, embedding_for
 from asyncconn.sim.runner import GatheredRows, ScheduledRows, StepPlan, WorkerStepResult
 
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
 HIDDEN = SimShape().hidden_size
 KV_EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 

@@ -19,7 +19,7 @@ from asyncconn.tools.chaos import ChaosConfig, run_chaos
 from asyncconn.tools.chaos.faults import DATA_FAULTS, SERVER_FAULTS
 
 # vLLM's real scheduler (the offline engine), a real redis-server and lookup server.
-pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.interface]  # the simulator: no model runner
 
 
 def test_every_invariant_holds_under_every_kind_of_fault() -> None:

@@ -14,6 +14,7 @@ from asyncconn.cli import demo
 from asyncconn.cli.main import main
 
 
+@pytest.mark.interface  # the simulator parts only: also run on vLLM 0.33 (scripts/lane-vllm033.sh)
 def test_demo_runs_e_and_pd_and_every_check_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--parts", "ec-sim,kv-sim", "--json"]) == 0
     ec, kv = json.loads(capsys.readouterr().out)
@@ -26,6 +27,7 @@ def test_demo_runs_e_and_pd_and_every_check_passes(capsys: pytest.CaptureFixture
     assert figures["bytes loaded by PD (all workers)"] > 0
 
 
+@pytest.mark.interface  # the simulator parts only: also run on vLLM 0.33 (scripts/lane-vllm033.sh)
 def test_demo_on_a_real_mooncake_store(capsys: pytest.CaptureFixture[str], mooncake_master: Any) -> None:
     """Both connectors, unchanged, on a real ``mooncake_master``: every check of the demo passes."""
     url = mooncake_master.url(
@@ -39,6 +41,7 @@ def test_demo_on_a_real_mooncake_store(capsys: pytest.CaptureFixture[str], moonc
     assert ec["figures"]["PD prefetch hits (admitted after prefetch)"] >= 1
 
 
+@pytest.mark.interface  # the simulator parts only: also run on vLLM 0.33 (scripts/lane-vllm033.sh)
 def test_demo_on_a_given_backend_prints_a_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["demo", "--parts", "ec-sim", "--backend", f"file://{tmp_path / 'store'}"]) == 0
     out = capsys.readouterr().out
@@ -46,6 +49,7 @@ def test_demo_on_a_given_backend_prints_a_summary(capsys: pytest.CaptureFixture[
     assert "[FAIL]" not in out
 
 
+@pytest.mark.interface  # the simulator parts only: also run on vLLM 0.33 (scripts/lane-vllm033.sh)
 def test_a_failed_check_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(demo.PARTS, "broken", f"{__name__}:_broken_part")
     assert main(["demo", "--parts", "broken"]) == 1
@@ -62,6 +66,7 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "nosuchscheme" in capsys.readouterr().err
 
 
+@pytest.mark.interface  # the simulator parts only: also run on vLLM 0.33 (scripts/lane-vllm033.sh)
 def test_bench_measures_calls_and_steps(tmp_path: Path) -> None:
     from asyncconn.tools.bench.ec_sim import run_ec_bench
 
@@ -71,6 +76,7 @@ def test_bench_measures_calls_and_steps(tmp_path: Path) -> None:
     assert "nan" not in figures["install step (+1824-token prefill): schedule() / runner p50 (us)"]
 
 
+@pytest.mark.interface  # the simulator parts only: also run on vLLM 0.33 (scripts/lane-vllm033.sh)
 def test_unnamed_memory_store_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--backend", "memory://"]) == 2
     assert "memory://demo" in capsys.readouterr().err

@@ -11,6 +11,8 @@ from asyncconn.exceptions import ConfigError
 from asyncconn.tools.demo.kv_sim import run_kv_demo
 from tests.vllm.kv.test_support import store_url
 
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
 
 def test_demo_memory_store(sim_model_dir: Any) -> None:
     result = run_kv_demo(store_url(), model_dir=sim_model_dir)

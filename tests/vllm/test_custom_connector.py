@@ -7,12 +7,15 @@ import time
 import uuid
 from typing import Any
 
+import pytest
 import torch
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.runtime import get_runtime
 from asyncconn.sim.engine import ConnectorSpec, MMItem, SimShape, embedding_for
 from asyncconn.store import TensorStore
+
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
 
 CLASS, MODULE = "LibraryECConnector", "examples.custom_connector"
 

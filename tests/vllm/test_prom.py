@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from asyncconn.vllm.prom import ec_prom_metrics, kv_prom_metrics
 
 TYPES = {Counter: Counter, Gauge: Gauge, Histogram: Histogram}
-pytestmark = pytest.mark.vllm  # the factories build vLLM's own Prometheus metric classes
+pytestmark = [pytest.mark.vllm, pytest.mark.interface]  # the factories build vLLM's own Prometheus metrics
 
 CONFIG = SimpleNamespace(kv_transfer_config=None, ec_transfer_config=None)
 

@@ -33,10 +33,13 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
 
 from asyncconn.config import Settings
 from asyncconn.lookup import EXISTS, LookupConfig, open_lookup_client
+from asyncconn.vllm.checks import check_extra_config
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport
 from asyncconn.vllm.ec.scheduler import ECSchedulerSide
 from asyncconn.vllm.ec.worker import ECWorkerSide
+from asyncconn.vllm.logs import follow_vllm_logging, log_start
 from asyncconn.vllm.roles import RoleSides
+from asyncconn.vllm.totals import store_totals
 
 __all__ = ["AsyncConnECConnector", "AsyncConnECStats"]
 
@@ -80,7 +83,11 @@ class AsyncConnECConnector(
     def __init__(self, vllm_config: Any, role: ECConnectorRole) -> None:
         super().__init__(vllm_config, role)
         ec_config = vllm_config.ec_transfer_config
-        self.settings = Settings.from_extra_config(ec_config.ec_connector_extra_config)
+        # No EC class method sees this before the engine starts (vLLM 0.32); the worker-side connector is
+        # built before the model loads, in the worker's init_device, so a bad key still fails early there.
+        follow_vllm_logging()
+        extra = ec_config.ec_connector_extra_config
+        self.settings: Settings = check_extra_config(extra, "ec_connector_extra_config")
         self._scheduler: ECSchedulerSide | None = None
         self._worker: ECWorkerSide | None = None
         if role == ECConnectorRole.SCHEDULER:
@@ -92,8 +99,12 @@ class AsyncConnECConnector(
                 consumer=self.is_consumer,
                 expected_workers=_expected_workers(vllm_config),
             )
+            server = self.settings.lookup_server
+            where = f"lookup server {server}" if server else "the store"
+            log_start("EC", f"scheduler ({ec_config.ec_role})", self.settings, lookups=where)
         else:
             self._worker = ECWorkerSide(self.settings, producer=self.is_producer, consumer=self.is_consumer)
+            log_start("EC", f"worker ({ec_config.ec_role})", self.settings)
         self._reported: dict[str, int] = {}
 
     # -- the one object this facade delegates to -------------------------------------------------------
@@ -131,14 +142,14 @@ class AsyncConnECConnector(
             return None
         # Called by vLLM on every step: compare a few ints, build nothing unless something changed.
         reported, delta = self._reported, {}
-        lookup = self._scheduler.lookup.metrics
-        current = [
-            *self._scheduler.stats().items(),
-            ("lookup_timeouts", lookup.timeouts),
-            ("lookup_errors", lookup.errors),
-            ("lookup_rejected", lookup.rejected),
-        ]
-        for name, value in current:
+        client = self._scheduler.lookup
+        lookup = client.metrics
+        current = self._scheduler.stats()  # the workers' reports included (a copy: ours to add to)
+        current.update(
+            lookup_timeouts=lookup.timeouts, lookup_errors=lookup.errors, lookup_rejected=lookup.rejected
+        )
+        current.update(store_totals(getattr(client, "store_reachability", None)))  # + the workers' gauge
+        for name, value in current.items():
             before = reported.get(name, 0)
             if value != before:
                 delta[name] = value - before

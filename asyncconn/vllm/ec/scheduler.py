@@ -261,8 +261,7 @@ class ECSchedulerSide:
             item.ready_on |= ids
             if len(item.ready_on) >= needed:
                 item.state = ItemState.READY
-        for mm_hash, reason in report.failed.items():
-            self._stats[f"load_failed_{reason}"] += 1
+        for mm_hash in report.failed:  # (counted in the worker's stats, merged above: not again here)
             item = self._items.get(mm_hash)
             if item is None:
                 continue

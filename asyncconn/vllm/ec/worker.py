@@ -39,6 +39,7 @@ from asyncconn.transfer import LoadResult, NewTensor, PinnedPool, SaveTracker, S
 from asyncconn.transfer._device import LOAD_PRIORITY, SAVE_PRIORITY, TransferDevice, default_device
 from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport, ItemRef
+from asyncconn.vllm.totals import Totals, store_totals
 
 __all__ = ["ECWorkerSide"]
 
@@ -99,6 +100,7 @@ class ECWorkerSide:
         self._failed: dict[str, str] = {}
         self._empty_step_hooks = False  # this worker's EC hooks ran on a step with no scheduled tokens
         self._stats: collections.Counter[str] = collections.Counter()  # events since the last report
+        self._totals = Totals(self._read_totals, self._totals_mark)  # the saver's and store's, as changes
         self._closed = False
 
     def _open_store(self) -> TensorStore:
@@ -239,8 +241,7 @@ class ECWorkerSide:
         if tensor is None:
             return
         if self.saver.submit(mm_hash, self.key(mm_hash), tensor):
-            self._stats["saves"] += 1
-            self._stats["saved_bytes"] += tensor.numel() * tensor.element_size()
+            self._stats["saves_submitted"] += 1  # "saves" counts what the store confirmed (end_step)
         else:
             self._stats["saves_skipped"] += 1
 
@@ -249,7 +250,25 @@ class ECWorkerSide:
         if self.saver is not None:
             self.saver.flush()
             self._stats["saves_done"] += len(self.saver.poll_finished())
+        self._stats.update(self._totals.take())
         self.poll()
+
+    def _read_totals(self) -> dict[str, int]:
+        """Saves the store confirmed (``saves``, ``saved_bytes``), failed ones by cause (``save_failed_*``),
+        and the store's reachability: the totals the saver's and the store's log lines quote."""
+        totals = store_totals(getattr(self.store, "reachability", None))
+        saver = self.saver
+        if saver is not None:
+            totals.update(saves=saver.saved, saved_bytes=saver.saved_bytes)
+            totals["save_failed"] = sum(saver.failures.values())
+            for reason, n in saver.failures.items():
+                totals[f"save_failed_{reason.value}"] = n
+        return totals
+
+    def _totals_mark(self) -> object:
+        reach, saver = getattr(self.store, "reachability", None), self.saver
+        counts = (saver.saved, saver.failures.total()) if saver is not None else None
+        return counts, None if reach is None else (reach.outages, reach.reachable)
 
     def has_pending_saves(self) -> bool:
         return self.saver is not None and self.saver.counters()["requests"] > 0

@@ -10,10 +10,10 @@ role) or :class:`~asyncconn.vllm.kv.worker.KVWorkerSide` (worker role) and every
 roles: ``kv_producer`` saves and never loads (no lookups), ``kv_consumer`` loads and never saves,
 ``kv_both`` does both.
 
-Hybrid allocator (``SupportsHMA``): accepted when every KV cache group is plain full attention (or MLA) with
-one block size -- then the groups differ only in their block tables, and each value carries every layer's
-blocks at the group's ids. Sliding-window, Mamba and other group kinds are refused at start-up with a
-message naming the flag that turns the hybrid allocator off, rather than saving KV that could not be reused.
+Hybrid allocator (``SupportsHMA``): full-attention, MLA, sliding-window and chunked-local groups of one block
+size are accepted; each value carries every layer's blocks at its group's ids, and a windowed group is
+skipped where vLLM gave it the null block (:mod:`asyncconn.vllm.kv.groups`). Mamba and other group kinds
+are refused at start-up with a message saying what to do, rather than saving KV that could not be reused.
 """
 
 from __future__ import annotations
@@ -30,19 +30,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from asyncconn.config import Settings
-from asyncconn.exceptions import BackendTimeout, ConfigError
+from asyncconn.exceptions import BackendTimeout
 from asyncconn.lookup import PREFIX, LookupConfig, open_lookup_client
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_devices
 from asyncconn.url import redact
+from asyncconn.vllm.checks import check_extra_config
+from asyncconn.vllm.kv.groups import GroupLayout, check_groups
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from asyncconn.vllm.kv.worker import KVWorkerSide
+from asyncconn.vllm.logs import follow_vllm_logging, log_start
 from asyncconn.vllm.roles import RoleSides
 
 if TYPE_CHECKING:
@@ -57,24 +59,14 @@ if TYPE_CHECKING:
 __all__ = ["AsyncConnKVConnector"]
 
 
-_ACCEPTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+_FIELD = "kv_connector_extra_config"
 
 
-def _check_groups(kv_cache_config: Any) -> tuple[list[str], dict[str, int]]:
-    """Layers in value order and their group; refuse groups this connector cannot store faithfully."""
-    if kv_cache_config is None:
-        raise ConfigError("AsyncConnKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32 passes it)")
-    groups = list(kv_cache_config.kv_cache_groups)
-    block_sizes = {g.kv_cache_spec.block_size for g in groups}
-    bad = [type(g.kv_cache_spec).__name__ for g in groups if type(g.kv_cache_spec) not in _ACCEPTED_SPECS]
-    if bad or len(block_sizes) != 1:
-        raise ConfigError(
-            f"AsyncConnKVConnector stores full-attention KV of one block size; this model's KV cache groups "
-            f"are {[type(g.kv_cache_spec).__name__ for g in groups]} with block sizes {sorted(block_sizes)}. "
-            "Start vLLM with --disable-hybrid-kv-cache-manager."
-        )
-    layers = [name for g in groups for name in g.layer_names]
-    return layers, {name: i for i, g in enumerate(groups) for name in g.layer_names}
+def _lookups(settings: Settings, lookup: object) -> str:
+    """Where the scheduler's lookups go, for the start-up line."""
+    if lookup is None:
+        return "none (producer)"
+    return f"lookup server {settings.lookup_server}" if settings.lookup_server else "the store"
 
 
 def _tensor_parallel(vllm_config: Any) -> tuple[int, int]:
@@ -106,8 +98,9 @@ class AsyncConnKVConnector(
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         config = self._kv_transfer_config
-        self.settings = Settings.from_extra_config(config.kv_connector_extra_config)
-        layers, group_of_layer = _check_groups(kv_cache_config)
+        follow_vllm_logging()
+        self.settings: Settings = check_extra_config(config.kv_connector_extra_config, _FIELD)
+        groups = check_groups(kv_cache_config)
         tp_size, rank = _tensor_parallel(vllm_config)
         self._identity = KVIdentity.from_vllm(
             vllm_config, kv_cache_config, tp_size=tp_size, blocks_per_value=self.settings.kv_blocks_per_value
@@ -126,14 +119,30 @@ class AsyncConnKVConnector(
                 sync_lookup=self.settings.sync_lookup,
                 sync_loads=self.settings.kv_sync_loads,
             )
+            where = _lookups(self.settings, lookup)
+            log_start("KV", f"scheduler ({config.kv_role})", self.settings, lookups=where)
         else:
-            self._worker = self._build_worker(keys, layers, group_of_layer, rank, kv_cache_config)
+            self._worker = self._build_worker(keys, groups, rank, kv_cache_config)
+            log_start("KV", f"worker rank {rank} of {tp_size} ({config.kv_role})", self.settings)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """No (asyncconn has no layer-wise work a CUDA graph could skip); used to check ``extra_config``.
+
+        Why here: it is the one class method vLLM calls with the connector's extra config while it builds
+        its configuration -- in the front-end process, before any engine process starts or the model loads
+        (``VllmConfig.__post_init__``, whenever CUDA graphs include full graphs: vLLM's default on CUDA; not
+        on CPU or with ``--enforce-eager``, where the constructor's own check is the first). A bad key,
+        value, URL or password source fails the engine's start there, in one message.
+        """
+        follow_vllm_logging()
+        check_extra_config(extra_config, _FIELD)
+        return False
 
     def _build_worker(
         self,
         keys: KeySpace,
-        layers: list[str],
-        group_of_layer: dict[str, int],
+        groups: GroupLayout,
         rank: int,
         kv_cache_config: Any,
     ) -> KVWorkerSide:
@@ -171,12 +180,13 @@ class AsyncConnKVConnector(
             loader=loader,
             saver=saver,
             runtime=runtime,
-            layers=layers,
-            group_of_layer=group_of_layer,
+            layers=groups.layers,
+            group_of_layer=groups.group_of_layer,
             num_blocks=int(kv_cache_config.num_blocks),
             rank=rank,
             load_timeout=settings.load_timeout,
             preempt_timeout=settings.store_timeout,
+            windowed=groups.windowed,
         )
 
     # -- the one object this facade delegates to -------------------------------------------------------
@@ -193,6 +203,15 @@ class AsyncConnKVConnector(
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a dropped save is a future miss, never a correctness problem."""
+        return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No. vLLM 0.33 frees the KV cache at sleep and maps fresh memory at wake-up, while the worker's
+        loads and deferred saves hold the tensors registered at start-up (``unregister_kv_caches`` /
+        ``restore_kv_caches`` are not implemented). Saying so makes vLLM refuse ``enable_sleep_mode`` with
+        this connector at start-up (a ``ValueError`` from ``VllmConfig``) instead of writing into freed
+        memory later. vLLM 0.32 has no sleep hook for connectors and never asks."""
         return False
 
     # -- worker side -----------------------------------------------------------------------------------

@@ -15,8 +15,17 @@ of blocks cannot hold them, so such models are refused at start-up.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["NULL_BLOCK_ID", "has_null", "real_blocks"]
+from asyncconn.exceptions import ConfigError
+
+__all__ = ["NULL_BLOCK_ID", "GroupLayout", "check_groups", "has_null", "real_blocks"]
+
+#: Group kinds whose blocks a request keeps for its whole life (every prefix block is stored and loaded).
+_WHOLE = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+#: Group kinds whose blocks vLLM frees once they leave the layers' window (null blocks in their tables).
+_WINDOWED = frozenset({"SlidingWindowSpec", "ChunkedLocalAttentionSpec"})
 
 #: The id of vLLM's null block (``BlockPool.null_block``: the pool's first block, never allocated).
 NULL_BLOCK_ID = 0
@@ -30,3 +39,52 @@ def has_null(block_ids: Sequence[Sequence[int]]) -> bool:
 def real_blocks(block_ids: Sequence[Sequence[int]]) -> set[int]:
     """The block ids of a value, every group, without the null block (what a load error may name)."""
     return {b for group in block_ids for b in group if b != NULL_BLOCK_ID}
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The KV cache groups as a value holds them: every layer, in group order, and which group each is in."""
+
+    layers: list[str]
+    group_of_layer: dict[str, int]
+    windowed: bool  # some group frees blocks while the request runs (see the module docstring)
+
+
+def check_groups(kv_cache_config: Any) -> GroupLayout:
+    """The layout of vLLM's KV cache groups, or a :class:`ConfigError` saying which group kind this
+    connector cannot store and what to do.
+
+    Kinds are matched by exact class name (not ``isinstance``): a new subclass in a later vLLM may lay out
+    or free its blocks differently, and must be refused until it is known to fit.
+    """
+    if kv_cache_config is None:
+        raise ConfigError("AsyncConnKVConnector needs vLLM's kv_cache_config (vLLM >= 0.32 passes it)")
+    groups = list(kv_cache_config.kv_cache_groups)
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    bad = sorted({k for k in kinds if k not in _WHOLE | _WINDOWED})
+    if bad:
+        state = [k for k in bad if "Mamba" in k or "Linear" in k or "ShortConv" in k]
+        what = (
+            "a per-request recurrent state (Mamba / linear attention), not per-block KV that a value of "
+            "blocks can hold"
+            if state
+            else "a KV layout this connector does not know"
+        )
+        raise ConfigError(
+            f"AsyncConnKVConnector cannot store KV cache groups of kind {', '.join(bad)} ({what}); this "
+            f"model's groups are {kinds}. Serve this model without a KV connector (vLLM's own prefix "
+            "caching still works), or with one that supports these groups. Full-attention, MLA, "
+            "sliding-window and chunked-local groups are supported."
+        )
+    block_sizes = sorted({int(g.kv_cache_spec.block_size) for g in groups})
+    if len(block_sizes) != 1:
+        raise ConfigError(
+            f"AsyncConnKVConnector stores values of one block size; this model's KV cache groups {kinds} "
+            f"have block sizes {block_sizes}. Start vLLM with --disable-hybrid-kv-cache-manager."
+        )
+    layers = [name for g in groups for name in g.layer_names]
+    return GroupLayout(
+        layers,
+        {name: i for i, g in enumerate(groups) for name in g.layer_names},
+        windowed=any(k in _WINDOWED for k in kinds),
+    )

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncconn.lookup.metrics import LATENCY_BUCKETS_MS
+from asyncconn.transfer.failures import Failure
+from asyncconn.vllm.totals import Totals, store_totals
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -28,13 +30,17 @@ except ModuleNotFoundError as exc:  # vLLM not installed (the worker side alone,
     from asyncconn.vllm._bases import KVConnectorMetadata, KVConnectorStats  # type: ignore[assignment]
 
 __all__ = [
+    "CAUSES",
     "COUNTERS",
+    "GAUGES",
     "HISTOGRAMS",
     "AsyncConnKVMetadata",
     "AsyncConnKVStats",
     "LoadSpec",
     "SaveSpec",
     "ValueRef",
+    "lookup_totals",
+    "worker_totals",
 ]
 
 
@@ -89,23 +95,38 @@ class AsyncConnKVMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is
     step_tokens: int = -1
 
 
-#: Counters (summed). ``tokens_*`` count tokens, ``bytes_*`` bytes on this worker.
+#: Why a load or a save failed (``load_failures_<cause>``, ``save_failures_<cause>``): the loader's and the
+#: save tracker's reasons, less ``not_cached`` (a load retried through staging, not a failure).
+CAUSES = tuple(f.value for f in Failure if f is not Failure.NOT_CACHED)
+
+#: Counters (summed). ``tokens_*`` count tokens, ``bytes_*`` bytes on this worker. ``saves`` are values the
+#: store confirmed written; ``saves_submitted`` those handed to the save tracker; failed ones are counted in
+#: ``save_failures`` only. ``store_outages``: times a process's store went from reachable to unreachable.
 COUNTERS = (
     "lookups",
     "lookup_hits",
     "lookup_tokens_hit",
+    "lookup_timeouts",
+    "lookup_errors",
     "loads",
     "load_failures",
+    *(f"load_failures_{cause}" for cause in CAUSES),
     "loads_in_place",
     "loads_not_in_memory",
     "tokens_loaded",
     "bytes_loaded",
     "saves",
+    "saves_submitted",
     "saves_skipped",
     "save_failures",
+    *(f"save_failures_{cause}" for cause in CAUSES),
     "tokens_saved",
     "bytes_saved",
+    "store_outages",
 )
+#: Gauges, carried as changes (summed like counters): ``store_unreachable`` is the number of processes
+#: (scheduler, workers) whose store is unreachable right now.
+GAUGES = ("store_unreachable",)
 #: Latency histograms over ``LATENCY_BUCKETS_MS`` (+inf last).
 HISTOGRAMS = ("lookup_latency", "load_latency", "save_latency")
 _NBUCKETS = len(LATENCY_BUCKETS_MS) + 1
@@ -129,7 +150,7 @@ class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
             self.reset()
 
     def reset(self) -> None:
-        data: dict[str, Any] = {name: 0 for name in COUNTERS}
+        data: dict[str, Any] = {name: 0 for name in (*COUNTERS, *GAUGES)}
         self.data = data
         for name in HISTOGRAMS:
             self.data[name] = [0] * _NBUCKETS
@@ -158,7 +179,12 @@ class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {name: int(self.data.get(name, 0)) for name in COUNTERS}
+        # Per-cause failures only when they happened: vLLM logs this dict every interval.
+        out: dict[str, int | float] = {
+            name: int(self.data.get(name, 0))
+            for name in (*COUNTERS, *GAUGES)
+            if "failures_" not in name or self.data.get(name)
+        }
         for name in HISTOGRAMS:
             counts: list[int] = self.data.get(name) or []
             for q in (0.5, 0.99):
@@ -168,9 +194,60 @@ class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
     def is_empty(self) -> bool:
         if not getattr(self, "_touched", True):  # (an instance vLLM rebuilt without __init__ is checked)
             return True
-        return not any(self.data.get(name) for name in COUNTERS) and not any(
+        return not any(self.data.get(name) for name in (*COUNTERS, *GAUGES)) and not any(
             any(self.data.get(name) or ()) for name in HISTOGRAMS
         )
+
+
+def worker_totals(saver: Any, loader: Any, store: Any, tokens_per_value: int) -> Totals:
+    """A KV worker's totals from its save tracker, loader and store (see :data:`COUNTERS`)."""
+    reach = getattr(store, "reachability", None)
+
+    def read() -> dict[str, int]:
+        totals = {
+            "saves": saver.saved,
+            "tokens_saved": saver.saved * tokens_per_value,
+            "bytes_saved": saver.saved_bytes,
+            "save_failures": sum(saver.failures.values()),
+        }
+        for reason, n in saver.failures.items():
+            totals[f"save_failures_{reason.value}"] = n
+        for reason, n in loader.failures.items():
+            if reason is not Failure.NOT_CACHED:
+                totals[f"load_failures_{reason.value}"] = n
+        totals.update(store_totals(reach))
+        return totals
+
+    def mark() -> object:
+        return (
+            saver.saved,
+            saver.failures.total(),
+            loader.failures.total(),
+            None if reach is None else (reach.outages, reach.reachable),
+        )
+
+    return Totals(read, mark)
+
+
+def lookup_totals(lookup: Any) -> Totals:
+    """A scheduler's totals from its lookup client: timeouts, errors, and its store's reachability (when
+    it queries the store itself; a lookup server's store is the server's to report)."""
+    reach = getattr(lookup, "store_reachability", None)
+
+    def read() -> dict[str, int]:
+        if lookup is None:
+            return {}
+        totals = {"lookup_timeouts": lookup.metrics.timeouts, "lookup_errors": lookup.metrics.errors}
+        totals.update(store_totals(reach))
+        return totals
+
+    def mark() -> object:
+        if lookup is None:
+            return None
+        metrics = lookup.metrics
+        return metrics.timeouts, metrics.errors, None if reach is None else (reach.outages, reach.reachable)
+
+    return Totals(read, mark)
 
 
 def quantile_ms(counts: list[int], q: float) -> float:

@@ -21,8 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncconn.lookup.client import LookupClient
+from asyncconn.vllm.kv.groups import has_null, real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
-from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, LoadSpec, SaveSpec, ValueRef
+from asyncconn.vllm.kv.metadata import (
+    AsyncConnKVMetadata,
+    AsyncConnKVStats,
+    LoadSpec,
+    SaveSpec,
+    ValueRef,
+    lookup_totals,
+)
 
 __all__ = ["IDLE_WAIT_S", "KVSchedulerSide"]
 
@@ -72,6 +80,7 @@ class KVSchedulerSide:
         self._via_recv: set[str] = set()  # finished while loading, since the last build_connector_meta
         self._stats = AsyncConnKVStats()
         self._lookups_seen = 0  # lookup latencies recorded at the last stats() (its fast path)
+        self._totals = lookup_totals(lookup)  # timeouts, errors, the store's reachability: as changes
 
     # -- lookups ---------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -153,7 +162,7 @@ class KVSchedulerSide:
         if not self.sync_loads:  # a sync load ends with its step (``update_connector_output``)
             first = first_block // bpv
             state.loading = {
-                first + i: frozenset(b for g in ref.block_ids for b in g) for i, ref in enumerate(values)
+                first + i: frozenset(real_blocks(ref.block_ids)) for i, ref in enumerate(values)
             }
         self._loads.append(LoadSpec(rid, tuple(values), sync=self.sync_loads))
 
@@ -224,15 +233,23 @@ class KVSchedulerSide:
             full = min(full, min(len(g) for g in state.block_ids) // bpv)
         if full <= state.stored_values:
             return
+        # A value with the null block in a windowed group (blocks vLLM freed, or never gave, outside the
+        # window) cannot be saved whole: it is skipped (a later request's hit stops before it).
         values = tuple(
-            ValueRef(
-                hashes[v],
-                tuple(range(bpv)),
-                tuple(tuple(g[v * bpv : (v + 1) * bpv]) for g in state.block_ids),
+            ref
+            for ref in (
+                ValueRef(
+                    hashes[v],
+                    tuple(range(bpv)),
+                    tuple(tuple(g[v * bpv : (v + 1) * bpv]) for g in state.block_ids),
+                )
+                for v in range(state.stored_values, full)
             )
-            for v in range(state.stored_values, full)
+            if not has_null(ref.block_ids)
         )
         state.stored_values = full
+        if not values:
+            return
         state.had_saves = True
         meta.saves.append(SaveSpec(rid, values))
 
@@ -291,10 +308,13 @@ class KVSchedulerSide:
         """Lookup counters and latencies since the previous call (None when nothing happened)."""
         lookup = self.lookup
         observed = sum(lookup.metrics.latency_buckets) if lookup is not None else 0
-        if observed == self._lookups_seen and self._stats.is_empty():
+        changed = self._totals.take()
+        if observed == self._lookups_seen and not changed and self._stats.is_empty():
             return None  # nothing happened since the last call (most steps): nothing allocated
         self._lookups_seen = observed
         stats, self._stats = self._stats, AsyncConnKVStats()
+        for name, change in changed.items():
+            stats.add(name, change)
         if lookup is not None:
             taken = lookup.metrics.take()
             buckets = taken.get("latency_buckets")

@@ -53,7 +53,13 @@ from asyncconn.transfer.purge import Purger
 from asyncconn.transfer.runs import runs
 from asyncconn.vllm.kv.groups import NULL_BLOCK_ID, has_null, real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
-from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, SaveSpec, ValueRef
+from asyncconn.vllm.kv.metadata import (
+    AsyncConnKVMetadata,
+    AsyncConnKVStats,
+    SaveSpec,
+    ValueRef,
+    worker_totals,
+)
 
 __all__ = ["KVWorkerSide", "LayerLayout"]
 
@@ -198,7 +204,8 @@ class KVWorkerSide:
         # request that loaded them and for any other request sharing them through vLLM's prefix cache, which
         # this side cannot tell apart -- so none of this step's values is saved (vLLM recomputes them).
         self._sync_failed = False
-        self._saver_base = (0, 0)
+        # The save tracker's, loader's and store's running totals, reported as changes (see ``stats``).
+        self._totals = worker_totals(saver, loader, store, keys.tokens_per_value)
         self._namers: dict[int, Callable[[bytes], str]] = {}  # rank -> store key of a value hash
         self._closed = False
 
@@ -560,9 +567,8 @@ class KVWorkerSide:
                 saved, total = self._submit_lazy(specs)
             else:
                 saved, total = self._submit_gathered(specs)
-            if saved:
-                self._stats.add("saves", saved)
-                self._stats.add("tokens_saved", saved * self.keys.tokens_per_value)
+            if saved:  # handed over; ``saves`` counts what the store confirmed (``stats``)
+                self._stats.add("saves_submitted", saved)
             if saved < total:
                 self._stats.add("saves_skipped", total - saved)
         self.saver.flush()
@@ -728,17 +734,18 @@ class KVWorkerSide:
 
     # -- observability and shutdown --------------------------------------------------------------------
     def stats(self) -> AsyncConnKVStats | None:
-        """Counters and latencies since the previous call; None (nothing allocated) when nothing happened."""
-        saved, failed = self.saver.saved_bytes, self.saver.failures.total()
-        base_saved, base_failed = self._saver_base
-        if saved == base_saved and failed == base_failed and self._stats.is_empty():
+        """Counters and latencies since the previous call; None (nothing allocated) when nothing happened.
+
+        Saves are counted when the store confirmed them, failures apart and by cause (the save tracker's and
+        the loader's totals, which their log lines quote); what ``save`` counted when it handed values over
+        is reported as ``saves_submitted``. Also the store's outages and reachability.
+        """
+        changed = self._totals.take()
+        if not changed and self._stats.is_empty():
             return None
         stats, self._stats = self._stats, AsyncConnKVStats()
-        if saved != base_saved:
-            stats.add("bytes_saved", saved - base_saved)
-        if failed != base_failed:
-            stats.add("save_failures", failed - base_failed)
-        self._saver_base = (saved, failed)
+        for name, change in changed.items():
+            stats.add(name, change)
         return None if stats.is_empty() else stats
 
     def counters(self) -> dict[str, int]:

@@ -27,6 +27,8 @@ from asyncconn.url import parse_url
 from asyncconn.vllm.ec.metadata import SAVING_PARAM
 from asyncconn.vllm.ec.scheduler import ItemState
 
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
 HIDDEN = SimShape().hidden_size
 CLASS, MODULE = "AsyncConnECConnector", "asyncconn.vllm"
 _ids = itertools.count()

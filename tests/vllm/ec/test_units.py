@@ -22,6 +22,8 @@ from asyncconn.vllm.ec.metadata import SAVING_PARAM, ECStepMetadata, ECWorkerRep
 from asyncconn.vllm.ec.scheduler import ECSchedulerSide, ItemState
 from asyncconn.vllm.ec.worker import ECWorkerSide
 
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
 
 @pytest.fixture
 def url() -> str:

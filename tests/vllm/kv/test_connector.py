@@ -28,6 +28,8 @@ from tests.vllm.kv.test_support import (
     store_url,
 )
 
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
 
 def _fill(make_sim: Any, url: str, prompts: dict[str, list[int]], bpv: int = 1, **kw: Any) -> None:
     """A first instance computes and saves the prompts' KV."""

@@ -14,6 +14,8 @@ import torch
 
 from tests.transfer.worker_sides import kv_one_polls_loads, kv_round_trip, kv_worker, saves_reported
 
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
 DEVICES = [
     "cpu",
     pytest.param(

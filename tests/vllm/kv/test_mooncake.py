@@ -11,10 +11,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from tests.servers_distributed import MooncakeMaster
 from tests.vllm.kv.test_support import kv_spec, leaks, load_error_blocks, prompt, run_checked
+
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
 
 
 def _url(master: MooncakeMaster) -> str:

@@ -20,6 +20,8 @@ from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from tests.lookup.fakes import FakeTransport, noop, wait_until
 
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
 IDENTITY = KVIdentity("m", "", "float16", "default", 16, 2, 8, ("l0",), 1, 1)
 HASHES = [bytes([i]) * 32 for i in range(8)]
 

@@ -23,6 +23,8 @@ from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
 from asyncconn.vllm.kv.worker import KVWorkerSide
 
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
 LAYERS = [f"layer.{i}" for i in range(3)]
 NUM_BLOCKS = 32
 

@@ -1,0 +1,54 @@
+"""Running totals kept by the engines, reported to vLLM as per-interval changes.
+
+Why: vLLM wants per-interval connector stats, while the save tracker, the loader, the store and the lookup
+client keep running totals -- the very figures their log lines quote ("... since start"). Reporting the
+change of those totals, rather than counting the same events a second time elsewhere, keeps the log lines
+and the exported counters equal. Used by the KV and EC connectors alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Totals", "store_totals"]
+
+
+class Totals:
+    """Running totals kept elsewhere (save tracker, loader, store, lookup client), taken as their change
+    since the previous :meth:`take`.
+
+    Why: vLLM wants per-interval stats, while the engines keep totals that their own log lines quote
+    ("... since start"); counting both from one source keeps the log and the metrics equal. ``mark`` is a
+    cheap fingerprint of the totals (a few ints): while it is unchanged ``take`` builds nothing (vLLM asks
+    every step).
+    """
+
+    __slots__ = ("_last", "_last_mark", "_mark", "_read")
+
+    def __init__(self, read: Callable[[], dict[str, int]], mark: Callable[[], object]) -> None:
+        self._read = read
+        self._mark = mark
+        self._last: dict[str, int] = {}
+        self._last_mark: object = None
+
+    def take(self) -> dict[str, int]:
+        """The names whose total changed, with the change (negative for a gauge going down)."""
+        mark = self._mark()
+        if mark == self._last_mark:
+            return {}
+        self._last_mark = mark
+        last, out = self._last, {}
+        for name, value in self._read().items():
+            change = value - last.get(name, 0)
+            if change:
+                out[name] = change
+                last[name] = value
+        return out
+
+
+def store_totals(reachability: Any) -> dict[str, int]:
+    """``store_outages`` and ``store_unreachable`` (0 or 1) of one store's ``Reachability`` (None: none)."""
+    if reachability is None:
+        return {}
+    return {"store_outages": reachability.outages, "store_unreachable": 0 if reachability.reachable else 1}

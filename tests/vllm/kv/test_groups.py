@@ -1,0 +1,66 @@
+"""Which KV cache groups the KV connector accepts, and what it says about the others (vLLM's real specs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from asyncconn.exceptions import ConfigError
+from asyncconn.vllm.kv.groups import NULL_BLOCK_ID, check_groups, has_null, real_blocks
+
+pytestmark = pytest.mark.interface  # vLLM's spec classes only: scripts/lane-vllm033.sh runs it on 0.33 too
+
+
+def _kv_config(*specs: Any) -> Any:
+    groups = [SimpleNamespace(kv_cache_spec=s, layer_names=[f"g{i}.l"]) for i, s in enumerate(specs)]
+    return SimpleNamespace(kv_cache_groups=groups, num_blocks=8)
+
+
+def _attention(kind: str, block_size: int = 16) -> Any:
+    from vllm.v1 import kv_cache_interface as specs
+
+    common = {"block_size": block_size, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
+    if kind == "full":
+        return specs.FullAttentionSpec(**common)
+    if kind == "window":
+        return specs.SlidingWindowSpec(**common, sliding_window=64)
+    return specs.ChunkedLocalAttentionSpec(**common, attention_chunk_size=64)
+
+
+def test_full_attention_groups_are_whole() -> None:
+    layout = check_groups(_kv_config(_attention("full"), _attention("full")))
+    assert layout.layers == ["g0.l", "g1.l"] and layout.group_of_layer == {"g0.l": 0, "g1.l": 1}
+    assert not layout.windowed
+
+
+@pytest.mark.parametrize("kind", ["window", "chunked"])
+def test_windowed_groups_beside_full_attention_are_accepted(kind: str) -> None:
+    layout = check_groups(_kv_config(_attention(kind), _attention("full"), _attention(kind)))
+    assert layout.layers == ["g0.l", "g1.l", "g2.l"] and layout.windowed
+
+
+def test_mamba_groups_are_refused_saying_what_to_do() -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mamba = MambaSpec(block_size=16, shapes=((2, 8),), dtypes=(torch.float16,))
+    with pytest.raises(ConfigError) as caught:
+        check_groups(_kv_config(_attention("full"), mamba))
+    message = str(caught.value)
+    assert "MambaSpec" in message and "recurrent state" in message
+    assert "without a KV connector" in message
+
+
+def test_groups_of_different_block_sizes_are_refused() -> None:
+    with pytest.raises(ConfigError, match="block sizes"):
+        check_groups(_kv_config(_attention("full"), _attention("full", block_size=32)))
+    with pytest.raises(ConfigError):
+        check_groups(None)
+
+
+def test_null_blocks() -> None:
+    assert NULL_BLOCK_ID == 0
+    assert has_null(((3, 4), (0, 5))) and not has_null(((3, 4), (6, 5)))
+    assert real_blocks(((3, 4), (0, 5))) == {3, 4, 5}
