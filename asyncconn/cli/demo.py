@@ -2,8 +2,8 @@
 
 Runs each demo *part* -- a function returning ``{"title", "figures", "checks"}`` -- and prints the
 summaries; exits 1 if any check failed. Parts are listed in :data:`PARTS` by import path. The default
-parts, ``ec`` and ``kv``, run vLLM's real engine (docs/engine.md); ``ec-sim`` and ``kv-sim`` run vLLM's
-real scheduler with a simulated model runner (docs/simulator.md), in a second.
+parts, ``ec``, ``kv`` and ``hybrid``, run vLLM's real engine (docs/engine.md); ``ec-sim`` and ``kv-sim``
+run vLLM's real scheduler with a simulated model runner (docs/simulator.md), in a second.
 (The EC connector's scheduler-side costs are ``asyncconn bench ec-sim``.)
 
 Exit codes: 0 every check passed, 1 a check failed, 2 bad usage (an unknown part, a bad store URL).
@@ -33,11 +33,12 @@ __all__ = ["DEFAULT_PARTS", "PARTS", "add_arguments", "run"]
 PARTS: dict[str, str] = {
     "ec": "asyncconn.tools.demo.engine:ec_part",
     "kv": "asyncconn.tools.demo.engine:kv_part",
+    "hybrid": "asyncconn.tools.demo.hybrid:hybrid_part",
     "ec-sim": "asyncconn.tools.demo.ec_sim:run_ec_demo",
     "kv-sim": "asyncconn.tools.demo.kv_sim:demo_part",
 }
 #: What runs without ``--parts``: the real engine.
-DEFAULT_PARTS = ("ec", "kv")
+DEFAULT_PARTS = ("ec", "kv", "hybrid")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -100,3 +100,4 @@ def test_a_hybrid_models_kv_is_saved_and_loaded_byte_exact(
     # vLLM's null block (block 0: the sliding-window groups' positions outside the window) never written
     assert all(not cache[0].any() for cache in probe.kv_caches().values())
     assert_idle(probe)
+

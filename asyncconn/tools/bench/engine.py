@@ -17,13 +17,16 @@ from asyncconn.cli import _args
 
 __all__ = ["add_arguments", "run"]
 
-_WHAT = ("ttft", "decode", "ec", "stall")
+_WHAT = ("ttft", "decode", "ec", "stall", "hybrid")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--what", default="ttft,decode,ec", help=f"comma-separated, of {', '.join(_WHAT)}")
     parser.add_argument(
-        "--tokens", type=_args.count, default=4096, help="ttft, stall: stored prompt length (default 4096)"
+        "--tokens",
+        type=_args.count,
+        default=4096,
+        help="ttft, stall, hybrid: stored prompt length (default 4096)",
     )
     parser.add_argument(
         "--prompts", type=_args.count, default=3, help="ttft, stall: prompts timed per config and engine"
@@ -78,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
                     tokens=args.tokens, prompts=args.prompts, decoders=args.decoders, rounds=args.rounds
                 )
             )
+        elif item == "hybrid":
+            from asyncconn.tools.bench.engine_hybrid import hybrid_bench
+
+            summaries.append(hybrid_bench(tokens=args.tokens, rounds=args.rounds))
         else:
             summaries.append(engine_runs.ec_bench(rounds=args.rounds))
     if args.json:
