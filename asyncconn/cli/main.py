@@ -42,6 +42,10 @@ _BENCHES: dict[str, tuple[str, str]] = {
     ),
     "redis": ("asyncconn.tools.bench.redis", "redis:// side by side with redis-benchmark; eviction hit rate"),
     "mooncake": ("asyncconn.tools.bench.mooncake", "mooncake:// side by side with the raw Mooncake client"),
+    "serve": (
+        "asyncconn.tools.bench.serve",
+        "two OpenAI servers sharing a store (one saves, a fresh one loads): TTFT/ITL by vLLM's client",
+    ),
 }
 
 

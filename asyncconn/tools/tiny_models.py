@@ -36,7 +36,7 @@ _VERSION = 2
 class ModelSpec:
     """One tiny model: its family and sizes."""
 
-    family: str  # "llama", "gemma3" (text) or "blip2"
+    family: str  # "llama", "gemma3", "deepseek_v2" (text) or "blip2"
     hidden: int
     layers: int
     heads: int
@@ -104,6 +104,16 @@ MODELS: dict[str, ModelSpec] = {
         full_every=1,
         about="hybrid-100m with every layer full attention (the hybrid model's store bytes compare with it)",
     ),
+    "mla": ModelSpec(
+        "deepseek_v2",
+        128,
+        2,
+        4,
+        4,
+        256,
+        std=0.2,
+        about="2-layer DeepSeek-V2-style (MLA: one 576-wide latent KV row per token and layer), dense MLPs",
+    ),
     "vision": ModelSpec(
         "blip2",
         128,
@@ -145,6 +155,8 @@ def build_model(
             _build_llama(spec, tmp)
         elif spec.family == "gemma3":
             _build_gemma3(spec, tmp)
+        elif spec.family == "deepseek_v2":
+            _build_deepseek_v2(spec, tmp)
         else:
             _build_blip2(spec, tmp)
         try:
@@ -241,6 +253,44 @@ def _build_gemma3(spec: ModelSpec, out: Path) -> None:
                 param.zero_()
             else:
                 param.normal_(0.0, spec.std)
+    model.save_pretrained(out, safe_serialization=True)
+    special = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, "<mask>": 4}
+    _word_tokenizer(spec.vocab, special).save_pretrained(out)
+
+
+def _build_deepseek_v2(spec: ModelSpec, out: Path) -> None:
+    """Multi-head latent attention: vLLM caches one latent row (``kv_lora_rank + qk_rope_head_dim``) per token
+    and layer, the same on every tensor-parallel rank. vLLM's CPU MLA decode kernel takes a 576-wide row
+    only (512 + 64, DeepSeek's own sizes; 320 fails with "Unsupported block size: 16"). Every layer gets a
+    dense MLP (``first_k_dense_replace``): the routed experts are never built."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        moe_intermediate_size=64,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=spec.layers,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        vocab_size=spec.vocab,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=False,
+    )
+    config.bos_token_id = config.eos_token_id = 1
+    config.pad_token_id = 0
+    model = DeepseekV2ForCausalLM(config)
+    _init_weights(model, lambda _name: spec.std)  # DeepSeek's RMS norms scale by weight: 1 is the identity
     model.save_pretrained(out, safe_serialization=True)
     special = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, "<mask>": 4}
     _word_tokenizer(spec.vocab, special).save_pretrained(out)
