@@ -107,6 +107,22 @@ class ShutdownReport:
     def finished(self) -> int:
         return self.in_flight - self.abandoned
 
+    def log(self, logger: logging.Logger, owner: str, timeout: float, lost: str) -> None:
+        """The one shutdown line an operator needs: whether values were lost (nothing when none was in
+        flight). ``lost`` says what happens to an abandoned save's value."""
+        if not self.in_flight:
+            return
+        logger.log(
+            logging.WARNING if self.abandoned else logging.INFO,
+            "%s shutdown: %d saves in flight, %d finished within %.1fs, %d abandoned (not in the store; %s)",
+            owner,
+            self.in_flight,
+            self.finished,
+            timeout,
+            self.abandoned,
+            lost,
+        )
+
 
 class _Request:
     __slots__ = ("failed", "pending")

@@ -311,17 +311,9 @@ class ECWorkerSide:
             self._staged.clear()
             self.loader.close(timeout)
         if self.saver is not None:
-            report = self.saver.close(timeout)
-            if report.in_flight:
-                log.log(
-                    logging.WARNING if report.abandoned else logging.INFO,
-                    "EC connector shutdown: %d saves in flight, %d finished within %.1fs, %d abandoned "
-                    "(not in the store; those items are encoded again on their next request)",
-                    report.in_flight,
-                    report.finished,
-                    timeout,
-                    report.abandoned,
-                )
+            self.saver.close(timeout).log(
+                log, "EC connector", timeout, "those items are encoded again on their next request"
+            )
         if self._owns_store and not self.runtime.closed:
             try:
                 self.runtime.run(self.store.close(), timeout)

@@ -768,18 +768,9 @@ class KVWorkerSide:
             return
         self._closed = True
         self.loader.close(timeout)
-        report = self.saver.close(timeout)
-        if report.in_flight:
-            # The one line an operator needs after a stop: whether values of finished requests were lost.
-            log.log(
-                logging.WARNING if report.abandoned else logging.INFO,
-                "KV connector shutdown: %d saves in flight, %d finished within %.1fs, %d abandoned "
-                "(not in the store; those prompts are computed again on their next request)",
-                report.in_flight,
-                report.finished,
-                timeout,
-                report.abandoned,
-            )
+        self.saver.close(timeout).log(
+            log, "KV connector", timeout, "those prompts are computed again on their next request"
+        )
         self._fetches.clear()
         self._req_loads.clear()
         self._had_saves.clear()  # nothing reports them any more: the engine is going away
