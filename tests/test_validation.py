@@ -206,6 +206,7 @@ PREFIX = {
     "bench ec-sim": ["bench", "ec-sim"],
     "bench redis": ["bench", "redis"],
     "bench mooncake": ["bench", "mooncake", "--url", "mooncake://127.0.0.1:1"],
+    "bench serve": ["bench", "serve"],
 }
 UNTYPED_OK: set[tuple[str, str]] = set()
 
