@@ -2,7 +2,8 @@
 
 Runs the server on its own asyncio loop (uvloop when installed) in the foreground until SIGINT/SIGTERM.
 It prints ``listening on ENDPOINT`` on stdout once bound, so scripts (and ``bench lookup``) can wait for
-it. Exit codes: 0 after a clean stop, 2 for a bad URL/endpoint or a store still unreachable after
+it, then ``metrics on URL`` when ``--metrics-port`` serves the counters for Prometheus. Exit codes: 0
+after a clean stop, 2 for a bad URL/endpoint (or metrics port) or a store still unreachable after
 ``--wait-for-store`` (default: not waited for).
 """
 
@@ -17,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from asyncconn.cli import _args
+from asyncconn.cli import argtypes
 from asyncconn.exceptions import AsyncConnError, BackendError, ConfigError
 from asyncconn.lookup.curve import CurveServerKeys, load_key
 from asyncconn.lookup.protocol import DEFAULT_MAX_KEYS
@@ -26,6 +27,7 @@ from asyncconn.lookup.server import (
     DEFAULT_MAX_CLIENTS,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_INFLIGHT_KEYS,
+    DEFAULT_METRICS_HOST,
     LookupServer,
 )
 from asyncconn.store import TensorStore
@@ -40,50 +42,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bind", default=DEFAULT_BIND, help=f"ZMQ endpoint (default {DEFAULT_BIND}; ipc://PATH is made 0600)"
     )
     parser.add_argument(
-        "--block-size", type=_args.count, default=16, help="the engine's KV block size in tokens"
+        "--block-size", type=argtypes.count, default=16, help="the engine's KV block size in tokens"
     )
     parser.add_argument("--key-prefix", default="", help="store key = prefix + hex(hash)")
     parser.add_argument(
-        "--max-keys", type=_args.count, default=DEFAULT_MAX_KEYS, help="keys accepted per request"
+        "--max-keys", type=argtypes.count, default=DEFAULT_MAX_KEYS, help="keys accepted per request"
     )
     parser.add_argument(
         "--max-message",
-        type=_args.positive_size_text,
+        type=argtypes.positive_size_text,
         default="4MiB",
         help="frames larger than this drop the peer",
     )
     parser.add_argument(
         "--max-bytes",
-        type=_args.positive_size_text,
+        type=argtypes.positive_size_text,
         default="64MiB",
         help="request bytes held at once (queued + being answered); past it the heaviest client's newest "
         "queued request is answered with an error",
     )
     parser.add_argument(
         "--max-inflight-keys",
-        type=_args.count,
+        type=argtypes.count,
         default=DEFAULT_MAX_INFLIGHT_KEYS,
         help="keys looked up in the store at once (>= --max-keys); requests wait their turn, round-robin",
     )
     parser.add_argument(
         "--max-clients",
-        type=_args.count,
+        type=argtypes.count,
         default=DEFAULT_MAX_CLIENTS,
         help="clients with requests held at once; a new client past it gets error replies",
     )
     parser.add_argument(
         "--max-connections",
-        type=_args.count,
+        type=argtypes.count,
         default=DEFAULT_MAX_CONNECTIONS,
         help="connections open at once (handshaking ones included); a connection past it is refused at its "
         "handshake and closed (its client does not reconnect that socket)",
     )
     parser.add_argument(
-        "--timeout", type=_args.positive_duration_text, default="5s", help="store call timeout"
+        "--timeout", type=argtypes.positive_duration_text, default="5s", help="store call timeout"
     )
     parser.add_argument(
         "--wait-for-store",
-        type=_args.duration_text,
+        type=argtypes.duration_text,
         default="0s",
         help="keep trying an unreachable store this long at start-up (backoff 0.1s doubling to 2s); "
         "default 0: exit 2 at once",
@@ -99,6 +101,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--insecure",
         action="store_true",
         help="allow a non-loopback --bind without CURVE (no authentication)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=0,
+        help="serve the server's counters in Prometheus text format at http://HOST:PORT/metrics "
+        "(default 0: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=DEFAULT_METRICS_HOST,
+        help=f"the address --metrics-port listens on (default {DEFAULT_METRICS_HOST}, this host only)",
     )
     parser.add_argument(
         "--password-env",
@@ -137,6 +151,8 @@ async def serve(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             curve=curve,
             insecure=args.insecure,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
         )
     except ValueError as exc:  # ConfigError included: a bound out of range
         await store.close()
@@ -149,6 +165,8 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"asyncconn lookup-server: {exc}", file=sys.stderr)
             return 2
         print(f"listening on {endpoint}", flush=True)
+        if server.metrics_url is not None:
+            print(f"metrics on {server.metrics_url}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -187,6 +205,14 @@ async def _open_store(url: str, timeout: float, wait: float) -> TensorStore:
             )
             await asyncio.sleep(pause)
             pause = min(pause * 2, 2.0)
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (``--metrics-port``: 0 is off)."""
+    value = text.strip()
+    if not value.isdigit() or int(value) > 65535:
+        raise argparse.ArgumentTypeError(f"bad value {text[:40]!r}: a port is a whole number 0-65535")
+    return int(value)
 
 
 def _curve(args: argparse.Namespace) -> CurveServerKeys | None:

@@ -11,7 +11,8 @@ the peer when told no.
 so CURVE's client allow-list is the authenticator's own check, unchanged; the gate adds one rule on top,
 applied only to a connection the authenticator admits: when more than ``max_connections`` connections are
 open, the answer becomes "400 too many connections". It never turns a refusal into an admission, so it
-cannot weaken authentication.
+cannot weaken authentication. The rule is hooked in through ``lookup.zap_hook`` (the one override of a
+private pyzmq method, and why it is needed).
 
 Counting. The ROUTER's monitor reports ``ACCEPTED`` and ``DISCONNECTED`` with the connection's fd; the gate
 keeps the set of open fds, exact and self-healing (a reused fd number is one entry). libzmq 4.3's handshake
@@ -50,9 +51,9 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
 
 from asyncconn.exceptions import ConfigError
+from asyncconn.lookup.zap_hook import VerdictAuthenticator
 
 __all__ = ["ZAP_DOMAIN", "ConnectionGate"]
 
@@ -70,7 +71,7 @@ def _ignore(_: int) -> None:
     pass
 
 
-class ConnectionGate(AsyncioAuthenticator):
+class ConnectionGate(VerdictAuthenticator):
     """Admit at most ``max_connections`` connections of one socket at its handshake; count the rest refused.
 
     ``start()`` (on the loop, before the socket binds), ``watch(sock)``, then ``close()`` before the
@@ -169,14 +170,13 @@ class ConnectionGate(AsyncioAuthenticator):
         elif event == zmq.EVENT_DISCONNECTED:
             self._open.discard(fd)
 
-    def _send_zap_reply(
-        self, request_id: bytes, status_code: bytes, status_text: bytes, user_id: str = "anonymous"
-    ) -> None:
-        """Every verdict of the authenticator passes here: an admission past the bound becomes a refusal."""
-        if status_code == b"200" and self._monitor is not None:
-            self._drain()
-            if len(self._open) > self.max_connections:
-                self.refused += 1
-                self._on_refused(len(self._open))
-                status_code, status_text = REFUSED
-        super()._send_zap_reply(request_id, status_code, status_text, user_id)
+    def refusal(self) -> tuple[bytes, bytes] | None:
+        """Every admission of the authenticator is asked here: one past the bound becomes a refusal."""
+        if self._monitor is None:
+            return None
+        self._drain()
+        if len(self._open) <= self.max_connections:
+            return None
+        self.refused += 1
+        self._on_refused(len(self._open))
+        return REFUSED

@@ -42,6 +42,10 @@ per block hash, a server option that must match the engine), capped at the token
 when hashes are finer than the scheduler's block (hybrid models), where they can cover a few tokens past
 the aligned count. No (group, boundary) entries are appended (one KV cache group).
 
+Metrics: with ``metrics_port`` the server also serves its counters in Prometheus text format at
+``http://metrics_host:metrics_port/metrics`` (``lookup.exporter``: series ``asyncconn_lookup_*``, on the
+server's loop, closed with it); off by default.
+
 ``reset`` asks for a wipe of the store (vLLM uses it between RL weight updates). A storage backend has no
 "delete everything" operation and one store may be shared, so by default the server answers ``ERROR``
 (not applied) -- never a false "ok" that would let stale KV be served. ``on_reset`` may implement it.
@@ -63,6 +67,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -74,6 +79,9 @@ from asyncconn.lookup.gate import ZAP_DOMAIN, ConnectionGate
 from asyncconn.lookup.protocol import Kind, Query
 from asyncconn.lookup.transports import leading, send_nowait
 from asyncconn.store import TensorStore
+
+if TYPE_CHECKING:
+    from asyncconn.lookup.exporter import MetricsEndpoint
 
 __all__ = ["DEFAULT_BIND", "LookupServer", "ServerStats"]
 
@@ -89,6 +97,8 @@ DEFAULT_MAX_CLIENTS = 1024
 DEFAULT_MAX_CONNECTIONS = 1024
 #: The largest frame: 65,536 32-byte block hashes are 2 MiB.
 DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
+#: Where the opt-in /metrics endpoint listens (loopback: the counters are for the host's Prometheus agent).
+DEFAULT_METRICS_HOST = "127.0.0.1"
 #: Messages ZMQ queues per connection, each way. The reader drains its side continuously, so it holds a
 #: few at most; it bounds what a client that stops reading its replies can park in the server.
 QUEUE_HWM = 1000
@@ -203,6 +213,8 @@ class LookupServer:
         on_reset: Callable[[], bool] | None = None,
         curve: curve_keys.CurveServerKeys | None = None,
         insecure: bool = False,
+        metrics_port: int = 0,
+        metrics_host: str = DEFAULT_METRICS_HOST,
     ) -> None:
         for name, value in (
             ("block_size", block_size),
@@ -218,6 +230,10 @@ class LookupServer:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"lookup server: {name} must be an integer > 0, got {value!r}")
+        if type(metrics_port) is not int or not 0 <= metrics_port <= 65535:  # bool is not a port
+            raise ConfigError(
+                f"lookup server: metrics_port must be a port 0-65535 (0: off), got {metrics_port!r}"
+            )
         if max_inflight_keys < max_keys + batch_keys:
             raise ConfigError(
                 f"lookup server: max_inflight_keys ({max_inflight_keys}) must be >= max_keys + batch_keys "
@@ -245,6 +261,11 @@ class LookupServer:
         self._on_reset = on_reset
         self._curve = curve
         self._insecure = insecure
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        #: ``http://HOST:PORT/metrics`` while the metrics endpoint serves; None when off or closed.
+        self.metrics_url: str | None = None
+        self._metrics: MetricsEndpoint | None = None
         self._gate: ConnectionGate | None = None
         self._throttle = _Throttled(log_interval)
         self._clients: dict[bytes, _Client] = {}
@@ -300,9 +321,29 @@ class LookupServer:
             ctx.term()
             raise ConfigError(f"lookup server: cannot bind {self.bind!r}: {exc}") from None
         self._ctx, self._sock, self.endpoint = ctx, sock, endpoint
+        if self.metrics_port:
+            try:
+                self.metrics_url = await self._start_metrics()
+            except OSError as exc:
+                await self.close()
+                raise ConfigError(
+                    f"lookup server: cannot serve metrics on {self.metrics_host}:{self.metrics_port}: {exc}"
+                ) from None
+            log.info("lookup server: metrics on %s", self.metrics_url)
         self._reader = asyncio.get_running_loop().create_task(self._read())
         log.info("lookup server: serving %s on %s", self.store.name, endpoint)
         return endpoint
+
+    async def _start_metrics(self) -> str:
+        # Imported here: prometheus_client is needed only by a server that exports.
+        from prometheus_client import CollectorRegistry
+
+        from asyncconn.lookup.exporter import LookupServerCollector, MetricsEndpoint
+
+        registry = CollectorRegistry()  # private: only this server's series, nothing process-wide
+        registry.register(LookupServerCollector(self.stats.as_dict, self.counters))
+        self._metrics = MetricsEndpoint(registry)
+        return await self._metrics.start(self.metrics_host, self.metrics_port)
 
     def busy(self) -> int:
         """Batches being answered right now (tests count it back to zero)."""
@@ -336,6 +377,10 @@ class LookupServer:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        metrics, self._metrics = self._metrics, None
+        self.metrics_url = None
+        if metrics is not None:
+            await metrics.close()
         self._close_gate()  # before the socket: the gate stops the socket's monitor first
         sock, self._sock = self._sock, None
         if sock is not None:

@@ -12,6 +12,8 @@ histogram cannot take without re-observing every sample.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -50,17 +52,27 @@ EC_COUNTERS = (
 EC_GAUGES = ("store_unreachable",)
 
 
-def _unregister(name: str) -> None:
-    """Drop a collector of this name left by an earlier engine in this process (as vLLM does for its own).
+#: The metric this module last made under each name, in this process (the scheduler's thread builds them).
+_made: dict[str, Any] = {}
 
-    Why: a second in-process engine registers the same series again, which the registry refuses.
+
+def _replacing(name: str, make: Callable[[], Any]) -> Any:
+    """``make()`` the metric ``name``, first unregistering the one an earlier engine in this process made.
+
+    Why: a second in-process engine registers the same series again, which the default registry refuses.
+    We keep our own record of what we registered and hand it to the public ``unregister``, rather than
+    searching the registry's private name tables (as vLLM does for its own series). A metric that was not
+    registered there (vLLM's Ray wrappers, or one someone else already unregistered) is simply replaced.
     """
     from prometheus_client import REGISTRY
 
-    names = getattr(REGISTRY, "_collector_to_names", {})
-    for collector, registered in list(names.items()):
-        if any(n == name or n.startswith(name + "_") for n in registered):
-            REGISTRY.unregister(collector)
+    earlier = _made.pop(name, None)
+    if earlier is not None:
+        with contextlib.suppress(KeyError):  # not (or no longer) in the default registry
+            REGISTRY.unregister(earlier)
+    metric = make()
+    _made[name] = metric
+    return metric
 
 
 class _Counters:
@@ -78,11 +90,14 @@ class _Counters:
 
         self.children: dict[str, dict[int, Any]] = {}
         for name in names:
-            _unregister(f"asyncconn:{kind}_{name}")
-            metric = counter_cls(
-                name=f"asyncconn:{kind}_{name}",
-                documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')}",
-                labelnames=labelnames,
+            metric = _replacing(
+                f"asyncconn:{kind}_{name}",
+                functools.partial(
+                    counter_cls,
+                    name=f"asyncconn:{kind}_{name}",
+                    documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')}",
+                    labelnames=labelnames,
+                ),
             )
             self.children[name] = create_metric_per_engine(metric, per_engine_labelvalues)
 
@@ -114,12 +129,15 @@ class _Gauges:
         self.children: dict[str, dict[int, Any]] = {}
         self._levels: dict[tuple[str, int], int] = {}
         for name in names:
-            _unregister(f"asyncconn:{kind}_{name}")
-            metric = gauge_cls(
-                name=f"asyncconn:{kind}_{name}",
-                documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (processes)",
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
+            metric = _replacing(
+                f"asyncconn:{kind}_{name}",
+                functools.partial(
+                    gauge_cls,
+                    name=f"asyncconn:{kind}_{name}",
+                    documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (processes)",
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                ),
             )
             self.children[name] = create_metric_per_engine(metric, per_engine_labelvalues)
 

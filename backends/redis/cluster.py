@@ -12,8 +12,9 @@ writes it is legal in a cluster. What differs:
 
 - batched commands (``exists``, ``delete``, inline ``put``, the head reads) go through redis-py's
   cluster pipeline, which splits them per node and sends each node's share concurrently;
-- a chunked ``put`` runs MULTI/UNLINK/HSET/EXEC on the value's node with :class:`_SlotTransaction` (redis-py's
-  own transactional cluster pipeline starts a thread and a new event loop per queued command);
+- a chunked ``put`` runs MULTI/UNLINK/HSET/EXEC on the value's node with ``cluster_internals.SlotTransaction``
+  (redis-py's own transactional cluster pipeline starts a thread and a new event loop per queued command;
+  that module holds every use of redis-py internals, and why);
 - node failures: a refused or dropped connection, ``CLUSTERDOWN``, ``TRYAGAIN`` or an uncovered slot is a
   :class:`BackendUnavailable`, a node that does not answer a :class:`BackendTimeout`, both within
   ``timeout``; redis-py re-reads the slot map on the way, so the calls after a failover or a node's
@@ -33,7 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
 import redis.exceptions as rexc
-from redis.asyncio.cluster import ClusterNode, ClusterPipeline, PipelineCommand, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import EqualJitterBackoff
 
@@ -42,75 +43,13 @@ from asyncconn.runtime import fork_generation, keep_inherited
 from asyncconn.url import Param, StoreURL, redact
 
 from .backend import DEFAULT_CHUNK_SIZE, DEFAULT_PORT, RedisBackend, _gather
+from .cluster_internals import SlotTransaction, pool_counts
 from .reader import ChunkReader, Reply, ReplyError
 
 __all__ = ["RedisClusterBackend"]
 
-#: How often a transaction is re-sent after the slot moved or its node dropped the connection.
-_TRANSACTION_ATTEMPTS = 3
 #: Cluster states that mean "this part of the keyspace has no reachable master right now".
 _UNAVAILABLE = (rexc.ClusterDownError, rexc.TryAgainError, rexc.RedisClusterException)
-
-
-class _SlotTransaction(ClusterPipeline):
-    """A MULTI/EXEC pipeline whose commands all touch one slot, sent to the node that owns it.
-
-    Why not ``RedisCluster.pipeline(transaction=True)``: in redis-py 8 each command queued on it runs in a
-    new thread with its own ``asyncio.run`` while the loop thread waits, which stalls the runtime.
-    Commands are queued here as plain argument tuples; ``execute`` sends MULTI, them and EXEC in one
-    write and, when the slot has moved (``MOVED`` aborts the transaction) or the node's connection broke,
-    re-reads the slot map and sends the whole transaction again. Re-sending is safe: the only
-    transaction written is a chunked put, which replaces its key with the same version again.
-    """
-
-    def __init__(self, client: RedisCluster) -> None:
-        super().__init__(client, transaction=False)
-        self._queued: list[tuple[Any, ...]] = []
-
-    def execute_command(self, *args: Any, **kwargs: Any) -> ClusterPipeline:
-        self._queued.append(args)
-        return self
-
-    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
-        client = self.cluster_client
-        await client.initialize()
-        queued, self._queued = self._queued, []
-        last: BaseException | None = None
-        for _ in range(_TRANSACTION_ATTEMPTS):
-            node = client.get_node_from_key(queued[0][1])
-            if node is None:  # only for replica lookups; a primary is always returned or raised
-                raise rexc.SlotNotCoveredError(f"no node serves key {queued[0][1]!r}")
-            try:
-                results = await self._exec_on(node, queued)
-            except (rexc.MovedError, rexc.AskError, rexc.ExecAbortError, rexc.ConnectionError) as exc:
-                last = exc
-                await client.nodes_manager.initialize()
-                continue
-            if raise_on_error:
-                failed = next((r for r in results if isinstance(r, Exception)), None)
-                if failed is not None:
-                    raise failed
-            return results
-        assert last is not None
-        raise last
-
-    @staticmethod
-    async def _exec_on(node: ClusterNode, queued: list[tuple[Any, ...]]) -> list[Any]:
-        commands = [
-            PipelineCommand(0, "MULTI"),
-            *(PipelineCommand(i + 1, *args) for i, args in enumerate(queued)),
-            PipelineCommand(len(queued) + 1, "EXEC"),
-        ]
-        await node.execute_pipeline(commands)
-        for command in commands[:-1]:  # MULTI's OK, QUEUED, or the error that will abort EXEC
-            if isinstance(command.result, (rexc.MovedError, rexc.AskError, rexc.ConnectionError)):
-                raise command.result
-        outcome = commands[-1].result
-        if isinstance(outcome, BaseException):
-            raise outcome
-        if not isinstance(outcome, list):
-            raise rexc.ResponseError(f"unexpected EXEC reply {outcome!r}")
-        return outcome
 
 
 class _Cluster(RedisCluster):
@@ -119,7 +58,7 @@ class _Cluster(RedisCluster):
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         if transaction:
             # mypy sees an abstract attribute redis-py's own ClusterPipeline never sets either.
-            return _SlotTransaction(self)  # type: ignore[abstract]
+            return SlotTransaction(self)  # type: ignore[abstract]
         return super().pipeline(transaction, shard_hint)
 
     async def mget(self, keys: Any, *args: Any) -> list[Any]:  # type: ignore[override]
@@ -335,9 +274,9 @@ class RedisClusterBackend(RedisBackend):
         """``connected`` and ``in_use`` over every node's pool and raw reader (tests count both to zero)."""
         connected = in_use = 0
         for node in self._cluster.get_nodes():
-            connections = node._connections
-            connected += sum(c.is_connected for c in connections)
-            in_use += len(connections) - len(node._free)
+            node_connected, node_in_use = pool_counts(node)
+            connected += node_connected
+            in_use += node_in_use
         out = {"connected": connected, "in_use": in_use}
         if self._reader is not None:
             raw = self._reader.counters()
