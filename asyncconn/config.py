@@ -9,6 +9,7 @@ silent default. docs/configuration.md lists the same table (a test keeps the two
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from asyncconn.url import (
 )
 
 __all__ = ["DEFAULT_BACKEND_URL", "Settings"]
+
+log = logging.getLogger(__name__)
 
 #: The embedded default store: a directory every process on the host can reach, no server to run. Bounded,
 #: least recently used values evicted first: /tmp is often memory (tmpfs) or the root disk, and an
@@ -102,11 +105,20 @@ class Settings:
     lookup_server: str | None = _opt(
         _optional_endpoint, None, "ZMQ endpoint of a lookup server; unset: query the store"
     )
-    key_prefix: str = _opt(_text, "", "prepended to every key this connector reads or writes")
+    key_prefix: str = _opt(
+        _text,
+        "",
+        "start of every key this connector names (after the URL's own `prefix`, where the store has one)",
+    )
     lookup_timeout: float = _opt(_positive_duration, 3.0, "a lookup unanswered after this is a miss")
     lookup_max_pending: int = _opt(parse_count, 100_000, "lookups outstanding at once; more are misses")
     sync_lookup: bool = _opt(parse_bool, False, "block in the scheduler until a lookup answers (not advised)")
-    store_timeout: float = _opt(_positive_duration, 5.0, "bound on every store call (get, put, exists)")
+    store_timeout: float = _opt(
+        _positive_duration,
+        5.0,
+        "bound on each of this connector's store calls (get, put, exists), any backend; a store URL's own "
+        "`timeout` bounds the same call too, and the smaller ends it",
+    )
     connect_timeout: float = _opt(
         _positive_duration, 10.0, "bound on connecting to the store (and lookup store) at engine start-up"
     )
@@ -115,6 +127,12 @@ class Settings:
         10.0,
         "KV: a load fails when it makes no progress for this long (not when it is long); EC: bound on a "
         "last-resort synchronous install",
+    )
+    preempt_timeout: float = _opt(
+        _positive_duration,
+        5.0,
+        "KV: bound on handle_preemptions' wait for the saves still reading a preempted request's blocks "
+        "(the longest a step waits on a preemption)",
     )
     pinned_pool_bytes: int = _opt(_positive_size, 1 << 30, "pinned staging memory per worker, e.g. 1GiB")
     max_inflight_loads: int = _opt(
@@ -156,7 +174,10 @@ class Settings:
             raise ConfigError(
                 f"extra_config: unknown key {unknown[0][:80]!r} (accepted: {', '.join(sorted(known))})"
             )
-        return cls(**{name: cls.parse_value(name, value) for name, value in extra.items()})
+        settings = cls(**{name: cls.parse_value(name, value) for name, value in extra.items()})
+        if "store_timeout" in extra:
+            _warn_shadowed_store_timeout(settings)
+        return settings
 
     @classmethod
     def parse_value(cls, name: str, value: Any) -> Any:
@@ -202,6 +223,38 @@ class Settings:
     def documentation(cls) -> list[tuple[str, Any, str]]:
         """(key, default, meaning) for every key, in declaration order (used by the docs test)."""
         return [(f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(cls)]
+
+
+def _warn_shadowed_store_timeout(settings: Settings) -> None:
+    """Log (once per process and figures) a ``store_timeout`` that the store URL's ``timeout`` cuts short.
+
+    Why: both bound the same store call and the smaller ends it, so raising ``store_timeout`` alone past a
+    Redis or Mooncake URL's ``timeout`` (5 s unless given) changes nothing -- a trap, as the natural answer
+    to store timeouts is to raise ``store_timeout``.
+    """
+    try:
+        parsed = parse_url(settings.backend_url)
+        params = check_url(parsed).params
+        url_timeout = parsed.options(params)["timeout"] if "timeout" in params else None
+    except ConfigError:  # checked when the field was parsed; a password file gone since is not our business
+        return
+    if isinstance(url_timeout, bool) or not isinstance(url_timeout, (int, float)):
+        return
+    if settings.store_timeout <= url_timeout:
+        return
+    message = (
+        f"store_timeout {settings.store_timeout:g}s is longer than the store URL's timeout "
+        f"{url_timeout:g}s{'' if 'timeout' in parsed.query else ' (its default)'}: store calls still end "
+        f"after {url_timeout:g}s; raise the URL's timeout= too (docs/configuration.md, "
+        "'Which timeout applies')"
+    )
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
+#: Warnings already logged by this process (each is logged once, however often settings are parsed).
+_warned: set[str] = set()
 
 
 def _field_repr(value: Any) -> str:
