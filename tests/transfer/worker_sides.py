@@ -151,6 +151,7 @@ def kv_one_polls_loads(where: str) -> list[int]:
     sizes of the batches the worker scattered (CUDA: one of seven; CPU scatters from the lent staging
     buffer, value by value, so none)."""
     from asyncconn.runtime import Runtime
+    from asyncconn.vllm.kv.loads import DeviceLanding, HostLanding
     from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
 
     runtime = Runtime(name=f"kv-batch-{where}").start()
@@ -176,13 +177,17 @@ def kv_one_polls_loads(where: str) -> list[int]:
         for rid, v, positions, blocks in plan:
             loads.setdefault(rid, []).append(ValueRef(hashes[v], positions, (blocks,)))
         sizes: list[int] = []
-        batch_of_one_poll = worker._scatter_batch
+        landing = worker.landing
+        assert isinstance(landing, DeviceLanding if where == "cuda" else HostLanding)
+        if isinstance(landing, DeviceLanding):  # the only landing that holds values for the end of a poll
+            batch_of_one_poll = landing.flush
 
-        def spy() -> None:
-            sizes.append(len(worker._batch))
-            batch_of_one_poll()
+            def spy() -> None:
+                if landing.batch:  # what one poll hands over, written together
+                    sizes.append(len(landing.batch))
+                batch_of_one_poll()
 
-        setattr(worker, "_scatter_batch", spy)  # an instance-level spy
+            setattr(landing, "flush", spy)  # an instance-level spy
         worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec(r, tuple(v)) for r, v in loads.items()]))
         assert worker.loader.wait(HANG_GUARD), "the fetches did not land"
         worker.poll()  # every value is in staging: their copies are issued together

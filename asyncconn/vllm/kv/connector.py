@@ -185,7 +185,7 @@ class AsyncConnKVConnector(
             num_blocks=int(kv_cache_config.num_blocks),
             rank=rank,
             load_timeout=settings.load_timeout,
-            preempt_timeout=settings.store_timeout,
+            preempt_timeout=settings.preempt_timeout,
             windowed=groups.windowed,
         )
 

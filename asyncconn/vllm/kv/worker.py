@@ -1,31 +1,32 @@
-"""The KV connector's worker side: loads into the registered KV cache, deferred saves, completion reports.
+"""The KV connector's worker side: request bookkeeping for loads into the registered KV cache, deferred
+saves and completion reports.
 
 One object per worker (TP rank), driven from vLLM's worker thread; all store I/O runs on the runtime loop
 through the transfer engines, so no method here waits on the store except ``handle_preemptions`` (vLLM's
 contract: a preempted request's blocks are reused by this very step), and then only with a timeout.
 
-A stored value holds ``blocks_per_value`` consecutive blocks of *every* layer, for this rank's heads:
-``[num_layers, *layer_shape]`` with the cache's block dimension cut to ``blocks_per_value``. One key per
-value and rank keeps lookups and round trips per token low (a per-layer key would multiply both by the
-layer count) and makes "present" mean "every layer present".
+A stored value holds ``blocks_per_value`` consecutive blocks of *every* layer, for this rank's heads (see
+:mod:`asyncconn.vllm.kv.layout`, which scatters and gathers them). One key per value and rank keeps lookups
+and round trips per token low (a per-layer key would multiply both by the layer count) and makes "present"
+mean "every layer present". What differs by device is chosen once, when the caches are registered: where a
+loaded value lands and how it reaches the blocks (:mod:`asyncconn.vllm.kv.loads`, and
+:mod:`asyncconn.vllm.kv.in_place` for reads straight into the blocks on a CPU engine), and where a step's
+saves are gathered and snapshotted (:mod:`asyncconn.vllm.kv.saves`). This module is the same in every mode.
 
 Loads: ``start_load_kv`` hands each value to the :class:`StreamLoader` (store -> staging -> device on its
 side stream); a value several requests need is fetched once. When a value has landed, its blocks are
-scattered into each layer at the request's block ids, on the worker's current stream -- before the next
-forward that could read them; on CUDA the values one poll hands over are scattered together, one indexed
-write per layer, and no index tensor is made in a way that waits for the GPU. On a CPU engine over a store
-that serves reads from memory (``file://``'s page cache), a whole value is read *in place* instead: its
-destination is the request's blocks themselves, so there is no staging buffer and no copy out of one; such
-a request is reported only once every read into its blocks has ended, also when it was aborted or timed
-out meanwhile. A request is reported in
+written into each layer at the request's block ids, on the worker's current stream -- before the next
+forward that could read them. A fetch that reads into a request's own blocks (in place) keeps that
+request's load open until the read has ended, also when it was aborted or timed out meanwhile. A request
+is reported in
 ``finished_recving`` once all its values are in; blocks whose value failed (miss, corrupt, timeout, dead
 store, deadline) are reported the same step through ``get_block_ids_with_load_errors`` so vLLM recomputes
 them. A sync load (``kv_sync_loads``) is the same load, but ``start_load_kv`` returns only once it is in
 (vLLM runs the forward on top of it right after), and it is never reported in ``finished_recving``.
 
 Saves: ``wait_for_save`` submits the step's planned values to the :class:`SaveTracker` as slices of one
-gather over the cache (one ``index_select`` per layer) -- evaluated lazily on the tracker's copy thread on
-CPU, here on CUDA -- flushes, and returns; no copy and no store I/O on vLLM's thread. A request the
+gather over the cache -- evaluated lazily on the tracker's copy thread on CPU, here on CUDA -- flushes, and
+returns; no copy and no store I/O on vLLM's thread. A request the
 scheduler kept alive for its saves (see :mod:`asyncconn.vllm.kv.scheduler`) is reported in
 ``finished_sending`` once vLLM has finished it and its saves are done; one finished while loading is
 reported in ``finished_recving`` once its loads are cancelled, so nothing writes its blocks any more.
@@ -34,34 +35,25 @@ reported in ``finished_recving`` once its loads are cancelled, so nothing writes
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
-import math
 import time
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from asyncconn import codec
 from asyncconn.exceptions import AsyncConnError, ConfigError
 from asyncconn.runtime import Runtime
 from asyncconn.store import Scattered, TensorStore
-from asyncconn.transfer import CpuDevice, Failure, LoadResult, NewTensor, SaveTracker, StreamLoader
-from asyncconn.transfer.lazy import Pieces, Shared
+from asyncconn.transfer import LoadResult, NewTensor, SaveTracker, StreamLoader
 from asyncconn.transfer.purge import Purger
-from asyncconn.transfer.runs import runs
-from asyncconn.vllm.kv.groups import NULL_BLOCK_ID, has_null, real_blocks
+from asyncconn.vllm.kv.groups import real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
-from asyncconn.vllm.kv.metadata import (
-    AsyncConnKVMetadata,
-    AsyncConnKVStats,
-    SaveSpec,
-    ValueRef,
-    worker_totals,
-)
+from asyncconn.vllm.kv.layout import CacheLayout
+from asyncconn.vllm.kv.loads import Landing, landing_for
+from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, ValueRef, worker_totals
+from asyncconn.vllm.kv.saves import StepSaves, step_saves
 
-__all__ = ["KVWorkerSide", "LayerLayout"]
+__all__ = ["KVWorkerSide"]
 
 log = logging.getLogger(__name__)
 
@@ -72,55 +64,14 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.010
 
 
-@dataclass(frozen=True)
-class LayerLayout:
-    """Where the blocks are in the registered per-layer KV tensors (all layers alike)."""
-
-    block_dim: int
-    layer_shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @classmethod
-    def detect(cls, caches: dict[str, torch.Tensor], layers: Iterable[str], num_blocks: int) -> LayerLayout:
-        """The block dimension is the first of dims 0 and 1 whose size is ``num_blocks`` (vLLM's layouts
-        are ``[num_blocks, ...]`` or ``[2, num_blocks, ...]``); every layer must share shape and dtype,
-        because one value stacks them all."""
-        names = list(layers)
-        missing = [n for n in names if n not in caches]
-        if missing:
-            raise ConfigError(
-                f"KV connector: layers {missing[:3]} of the KV cache config were not registered"
-            )
-        first = caches[names[0]]
-        for name in names[1:]:
-            t = caches[name]
-            if t.shape != first.shape or t.dtype != first.dtype:
-                raise ConfigError(
-                    f"KV connector: layer {name} is {t.dtype}{list(t.shape)}, {names[0]} is "
-                    f"{first.dtype}{list(first.shape)}; one value stacks layers, so they must match"
-                )
-        dims = [d for d in (0, 1) if d < first.dim() and first.shape[d] == num_blocks]
-        if not dims:
-            raise ConfigError(
-                f"KV connector: no block dimension of size {num_blocks} in a KV tensor of shape "
-                f"{list(first.shape)}"
-            )
-        return cls(dims[0], tuple(first.shape), first.dtype)
-
-    def value_shape(self, num_layers: int, blocks_per_value: int) -> tuple[int, ...]:
-        shape = list(self.layer_shape)
-        shape[self.block_dim] = blocks_per_value
-        return (num_layers, *shape)
-
-
 @dataclass
 class _Fetch:
     """One value being loaded, and every (request, value ref) waiting for it.
 
-    An in-place fetch reads straight into the blocks of ``owner`` (``owner_ref``). Those blocks may be
-    written until its result comes, so the owner's load keeps the key in ``remaining`` until then, even
-    when the owner is dropped (``owner_dropped``): vLLM frees or recomputes a request's blocks only after
-    it is reported.
+    A fetch whose destination is the blocks of ``owner`` (``owner_ref``; an in-place read) may write them
+    until its result comes, so the owner's load keeps the key in ``remaining`` until then, even when the
+    owner is dropped (``owner_dropped``): vLLM frees or recomputes a request's blocks only after it is
+    reported.
     """
 
     targets: list[tuple[str, ValueRef]] = field(default_factory=list)
@@ -179,17 +130,10 @@ class KVWorkerSide:
         # back to the pool while the request runs, and the next step may zero and write them for another
         # request. A step's saves are then gathered here, on vLLM's thread, not later on the copy thread.
         self.windowed = windowed
-        self.caches: dict[str, torch.Tensor] = {}
-        self._layer_caches: list[tuple[torch.Tensor, int]] = []  # (cache, KV cache group) per layer, in order
-        self._whole: tuple[int, ...] = ()  # every block position of a value
-        self.layout: LayerLayout | None = None
-        # Flat byte views of the layers' caches when loads can land in them directly (see _in_place_dest),
-        # with the bytes of one block and the number of block runs per layer (outer dims before the blocks).
-        self._cache_bytes: list[memoryview] | None = None
-        self._block_bytes = 0
-        self._outer = 1
-        self._staged: NewTensor | None = None  # a whole value loaded through staging (set at registration)
-        self._batch: list[tuple[torch.Tensor, ValueRef]] = []  # device values of one poll, scattered together
+        # Set when the caches are registered: where the blocks are, and the device's load and save modes.
+        self.layout: CacheLayout | None = None
+        self.landing: Landing | None = None
+        self.saves: StepSaves | None = None
         self._fetches: dict[str, _Fetch] = {}  # store key -> waiting targets
         self._req_loads: dict[str, _ReqLoad] = {}  # request id -> its load, until reported
         self._load_errors: set[int] = set()
@@ -206,40 +150,22 @@ class KVWorkerSide:
         self._sync_failed = False
         # The save tracker's, loader's and store's running totals, reported as changes (see ``stats``).
         self._totals = worker_totals(saver, loader, store, keys.tokens_per_value)
-        self._namers: dict[int, Callable[[bytes], str]] = {}  # rank -> store key of a value hash
         self._closed = False
 
     # -- set-up ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layout = LayerLayout.detect(kv_caches, self.layers, self.num_blocks)
-        self.caches = {name: kv_caches[name] for name in self.layers}
-        self._layer_caches = [(self.caches[n], self.group_of_layer[n]) for n in self.layers]
-        self._whole = tuple(range(self.keys.blocks_per_value))
-        self._staged = NewTensor(self._value_shape(), self.layout.dtype)
-        self._cache_bytes = None
-        if (
-            self.loader.device.synchronous
-            and self.store.cached_reads
-            and all(c.device.type == "cpu" and c.is_contiguous() for c, _ in self._layer_caches)
-        ):
-            self._cache_bytes = [codec.tensor_bytes(c) for c, _ in self._layer_caches]
-            shape, dim = self.layout.layer_shape, self.layout.block_dim
-            self._outer = math.prod(shape[:dim])
-            self._block_bytes = self._cache_bytes[0].nbytes // (self._outer * shape[dim])
-            # Why each load's destination can be built unchecked (Scattered.trusted): the layers share one
-            # shape (LayerLayout.detect), so every layer's pieces of a whole value add up to the value.
-            per_layer = self._outer * self.keys.blocks_per_value * self._block_bytes
-            assert per_layer * len(self._cache_bytes) == self._staged.staging_nbytes
+        layout = CacheLayout(
+            kv_caches, self.layers, self.group_of_layer, self.num_blocks, self.keys.blocks_per_value
+        )
+        self.layout = layout
+        self.landing = landing_for(layout, self.loader, self.store)
+        self.saves = step_saves(self.saver, layout, windowed=self.windowed)
 
     def set_rank(self, rank: int) -> None:
         """This worker's TP rank (vLLM's TP group when initialized; simulators set it here)."""
         if not 0 <= rank < self.keys.tp_size:
             raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.keys.tp_size}")
         self.rank = rank
-
-    def _value_shape(self) -> tuple[int, ...]:
-        assert self.layout is not None, "register_kv_caches was not called"
-        return self.layout.value_shape(len(self.layers), self.keys.blocks_per_value)
 
     # -- loads -----------------------------------------------------------------------------------------
     @property
@@ -251,7 +177,7 @@ class KVWorkerSide:
         before returning, so the loads would wait a whole step; issued when the metadata is bound they run
         beside the forward (a request that loads is not scheduled, and its new blocks were zeroed before).
         """
-        return bool(self._layer_caches) and self._layer_caches[0][0].device.type == "cpu"
+        return self.layout is not None and self.layout.device.type == "cpu"
 
     def issue_loads(self, meta: AsyncConnKVMetadata) -> None:
         """Submit this step's loads (never waits); once per metadata, whichever of bind or
@@ -261,8 +187,8 @@ class KVWorkerSide:
         self._issued = meta
         if not meta.loads:
             return
-        dest = self._staged
-        assert dest is not None, "register_kv_caches was not called"
+        landing = self.landing
+        assert landing is not None, "register_kv_caches was not called"
         now = time.monotonic()
         submit: list[tuple[str, NewTensor | Scattered]] = []
         for spec in meta.loads:
@@ -274,10 +200,10 @@ class KVWorkerSide:
                 fetch = self._fetches.get(key)
                 if fetch is None:
                     fetch = self._fetches[key] = _Fetch()
-                    in_place = self._in_place_dest(ref)
-                    if in_place is not None:
+                    dest, into_blocks = landing.destination(ref)
+                    if into_blocks:
                         fetch.owner, fetch.owner_ref = spec.request_id, ref
-                    submit.append((key, in_place or dest))
+                    submit.append((key, dest))
                 fetch.targets.append((spec.request_id, ref))
                 load.remaining.add(key)
         if submit:
@@ -336,46 +262,17 @@ class KVWorkerSide:
                 self._load_errors |= load.failed_blocks
             self._stats.observe("load_latency", now - load.t0)
 
-    def _in_place_dest(self, ref: ValueRef) -> Scattered | None:
-        """The value's blocks in the cache as its destination, when it can land there directly: a host
-        cache (CPU engine), a store that serves reads from memory (``file://``'s page cache), and the whole
-        value wanted. Its bytes, layer by layer, are the blocks ``ref.block_ids`` of each layer in order (a
-        run of consecutive ids is one piece), so no staging buffer and no copy out of one."""
-        if self._cache_bytes is None or ref.positions != self._whole or has_null(ref.block_ids):
-            return None
-        assert self.layout is not None and self._staged is not None
-        per_block = self._block_bytes
-        blocks = self.layout.layer_shape[self.layout.block_dim]
-        # Byte ranges of one layer, the same in every layer of a group: runs of consecutive ids, per outer
-        # index (computed once per group, not once per layer: this runs on vLLM's thread for every value).
-        ranges = []
-        for ids in ref.block_ids:
-            id_runs = runs(ids)
-            ranges.append(
-                [
-                    ((o * blocks + first) * per_block, (o * blocks + first + count) * per_block)
-                    for o in range(self._outer)
-                    for first, count in id_runs
-                ]
-            )
-        views = [
-            flat[a:b]
-            for (_, group), flat in zip(self._layer_caches, self._cache_bytes, strict=True)
-            for a, b in ranges[group]
-        ]
-        return Scattered.trusted(self.layout.dtype, self._staged.shape or (), tuple(views))
-
     def poll(self) -> None:
         """Collect landed and cancelled loads (vLLM's calls do this every step; an idle engine makes none,
         so a cancelled load's staging buffer comes back on the next step or at shutdown)."""
         self._poll_loads()
 
     def _poll_loads(self) -> None:
-        # Each value is scattered as it is handed over; on CPU straight from the staging buffer (no copy
-        # into a new tensor first: the loader lends the buffer for the call and takes it back after).
+        # Each value is delivered as it is handed over (the landing writes it out, or holds it for the end
+        # of the poll: ``flush``).
         self.loader.poll(self._on_loaded)
-        if self._batch:
-            self._scatter_batch()
+        if self.landing is not None:
+            self.landing.flush()
         if self._req_loads:
             now = time.monotonic()
             for rid, load in self._req_loads.items():
@@ -411,19 +308,20 @@ class KVWorkerSide:
             owner = self._req_loads.get(fetch.owner or "")
             if owner is not None:
                 owner.remaining.discard(result.key)
-        if result.failure is Failure.NOT_CACHED:  # the store would have had to wait: read it via staging
+        landing = self.landing
+        assert landing is not None
+        retry = None if result.ok else landing.fallback(result)
+        if retry is not None:  # e.g. an in-place read the store would have had to wait for: via staging
             self._stats.add("loads_not_in_memory")
             if fetch.targets:
-                assert self._staged is not None
                 self._fetches[result.key] = _Fetch(fetch.targets)
-                self.loader.submit(result.key, self._staged)
+                self.loader.submit(result.key, retry)
             return
         value = result.tensor
         ok = result.ok and (value is not None or result.in_place)
         if ok:
             self._stats.add("loads")
-            assert self._staged is not None
-            self._stats.add("bytes_loaded", self._staged.staging_nbytes)
+            self._stats.add("bytes_loaded", landing.staged.staging_nbytes)
             if result.in_place:
                 self._stats.add("loads_in_place")
         else:
@@ -438,78 +336,15 @@ class KVWorkerSide:
             if not ok:
                 load.failed_blocks.update(real_blocks(ref.block_ids))
                 continue
-            if value is None:  # landed in the owner's blocks; another request copies them from there
-                if ref is not fetch.owner_ref:
-                    assert fetch.owner_ref is not None and self.layout is not None
-                    owner_ids = [list(g) for g in fetch.owner_ref.block_ids]
-                    value = _gather_layers(self._layer_caches, owner_ids, self.layout.block_dim)
-                    self._scatter(value, ref)
-            elif value.is_cuda:  # a device copy of its own, valid past this call: batched per poll
-                self._batch.append((value, ref))
-            else:  # the lent staging buffer (CPU): written out now, before the loader takes it back
-                self._scatter(value, ref)
+            if ref is not fetch.owner_ref:  # the owner's value landed in its blocks already
+                landing.deliver(value, ref, fetch.owner_ref)
             self._stats.add("tokens_loaded", len(ref.positions) * block_size)
-
-    def _scatter(self, value: torch.Tensor, ref: ValueRef) -> None:
-        """Write the value's blocks at ``ref.positions`` into every layer, at the request's block ids.
-
-        A group with the null block at a position (a sliding-window group, outside the window at the cut)
-        is not written there: vLLM never reads it, and the null block belongs to no request.
-        """
-        assert self.layout is not None
-        dim = self.layout.block_dim
-        device = value.device
-        plans = [_group_plan(g, ref.positions, self._whole, device) for g in ref.block_ids]
-        for index, (cache, group) in enumerate(self._layer_caches):
-            plan = plans[group]
-            if plan is None:
-                continue
-            where, positions, n = plan
-            src = value[index] if positions is None else value[index].index_select(dim, positions)
-            if isinstance(where, int):
-                cache.narrow(dim, where, n).copy_(src)
-            else:
-                cache.index_copy_(dim, where, src)
-
-    def _scatter_batch(self) -> None:
-        """Write the whole device values one poll handed over with one stack and one kernel per layer.
-
-        Why: :meth:`_scatter` launches one copy per value and layer from vLLM's thread. Measured on an H200
-        machine for 256 values of one block on 32 layers (a 4k-token prefix; ``asyncconn bench gpu``,
-        ``kv_scatter``): 84 ms of host time that way, 2.2 ms this way (a ``cat`` per layer is no cure: its
-        host cost grows with its inputs too). The
-        values are stacked once (one device-to-device pass, cheap next to the host-to-device copies that
-        brought them) and each layer gets one indexed write at all their block ids. Partial values go
-        through :meth:`_scatter`.
-        """
-        batch, self._batch = self._batch, []
-        whole = [(v, ref) for v, ref in batch if ref.positions == self._whole and not has_null(ref.block_ids)]
-        for value, ref in batch:
-            if ref.positions != self._whole or has_null(ref.block_ids):
-                self._scatter(value, ref)
-        if len(whole) == 1:
-            self._scatter(*whole[0])
-        if len(whole) <= 1:
-            return
-        assert self.layout is not None
-        dim, bpv = self.layout.block_dim, self.keys.blocks_per_value
-        device = whole[0][0].device
-        stacked = _rows_of_one([value for value, _ in whole])  # [values, layers, *layer_shape]
-        ids = [
-            _index([b for _, ref in whole for b in ref.block_ids[g]], device).view(len(whole), bpv)
-            for g in range(len(whole[0][1].block_ids))
-        ]
-        lead: tuple[slice, ...] = (slice(None),) * dim  # the dims before the block dim are written whole
-        for index, (cache, group) in enumerate(self._layer_caches):
-            # cache[..., ids] has shape [*lead, values, bpv, *rest]: the stacked layer with values moved in
-            where: tuple[slice | torch.Tensor, ...] = (*lead, ids[group])
-            cache[where] = stacked[:, index].movedim(0, dim)
 
     def _drop_target(self, rid: str, key: str, failed: set[int] | None) -> None:
         """Detach a request from a fetch (cancelling the fetch when nobody else waits for it).
 
-        A request whose blocks an in-place read may be writing keeps the key in ``remaining`` until the read
-        has ended (:meth:`_on_loaded`); such reads come from memory, so that is a memory copy away.
+        A request whose blocks a fetch may be writing (its owner) keeps the key in ``remaining`` until the
+        read has ended (:meth:`_on_loaded`); such reads come from memory, so that is a memory copy away.
         """
         fetch = self._fetches.get(key)
         load = self._req_loads.get(rid)
@@ -545,16 +380,10 @@ class KVWorkerSide:
     def save(self, meta: AsyncConnKVMetadata) -> None:
         """``wait_for_save``: hand this step's values to the save tracker, flush, return.
 
-        One gather per layer for the whole step (not one per value): each value is a slice of a single
-        stacked tensor. With the tracker's copy thread (CPU) the gather itself is lazy -- a :class:`Shared`
-        the copy thread evaluates (block ids included), then copies each piece into staging -- so vLLM's
-        thread only hands each request's values over as one :class:`Pieces` range named by value hash
-        (``submit_many``: a tight duplicate check; store keys, save objects and copies on the copy thread,
-        one staging buffer for the step); on CUDA it is gathered here on the current stream (kernel
-        launches), value-major, and snapshotted by one D2H on the tracker's side stream into one staging
-        span (``submit_stacked``). Nothing here waits for the store or for the GPU.
-        Bookkeeping is per request, not per value. A step in which a sync load failed saves nothing: what
-        its forward computed on top of the failed blocks is wrong (see ``_sync_failed``).
+        The save mode (:mod:`asyncconn.vllm.kv.saves`) hands them over as slices of one gather for the
+        whole step; nothing here waits for the store or for the GPU. Bookkeeping is per request, not per
+        value. A step in which a sync load failed saves nothing: what its forward computed on top of the
+        failed blocks is wrong (see ``_sync_failed``).
         """
         specs = meta.saves
         if self._sync_failed:
@@ -562,106 +391,28 @@ class KVWorkerSide:
             self._had_saves.update(spec.request_id for spec in specs)  # the scheduler holds them: report them
             specs = []
         if specs:
-            assert self.layout is not None, "register_kv_caches was not called"
-            if self.saver.copy_thread is not None:
-                saved, total = self._submit_lazy(specs)
-            else:
-                saved, total = self._submit_gathered(specs)
+            assert self.saves is not None, "register_kv_caches was not called"
+            accepted, total = self.saves.submit(specs, self.keys, self.rank)
+            self._had_saves.update(accepted)
+            now = time.monotonic()
+            saved = 0
+            for rid, got in accepted.items():
+                if got:
+                    self._save_t0.setdefault(rid, now)
+                    saved += got
             if saved:  # handed over; ``saves`` counts what the store confirmed (``stats``)
                 self._stats.add("saves_submitted", saved)
             if saved < total:
                 self._stats.add("saves_skipped", total - saved)
         self.saver.flush()
 
-    def _submit_lazy(self, specs: Sequence[SaveSpec]) -> tuple[int, int]:
-        """Copy-thread path: the step's gather is one lazy :class:`Shared`, each request a :class:`Pieces`
-        range of it. Duplicates are detected by value hash; the store key (a blake2b each) is derived on the
-        copy thread -- one worker, one rank, one key space: a hash names its key one way only."""
-        assert self.layout is not None
-        specs = tuple(specs)  # the copy thread reads their block ids later: a private, immutable copy
-        dim, bpv, dtype = self.layout.block_dim, self.keys.blocks_per_value, self.layout.dtype
-        shape = self._value_shape()
-        shared = Shared(functools.partial(_gather_specs, self._layer_caches, specs, dim))
-        if self.windowed:
-            shared.get()  # a private copy of the step's blocks before vLLM may reuse them (see __init__)
-        name = self._namers.get(self.rank)
-        if name is None:
-            name = self._namers[self.rank] = self.keys.namer(self.rank)
-        submit_many, had_saves, save_t0 = self.saver.submit_many, self._had_saves, self._save_t0
-        now = time.monotonic()
-        saved = start = 0
-        for spec in specs:
-            rid, refs = spec.request_id, spec.values
-            n = len(refs)
-            if not n:
-                continue
-            had_saves.add(rid)
-            values = Pieces(shared, dim + 1, bpv, n, shape, dtype, start)
-            got = submit_many(rid, [ref.value_hash for ref in refs], values, name=name)
-            start += n
-            if got:
-                save_t0.setdefault(rid, now)
-                saved += got
-        return saved, start
-
-    def _submit_gathered(self, specs: Sequence[SaveSpec]) -> tuple[int, int]:
-        """Synchronous snapshots (CUDA; CPU without a copy thread): gathered here, value-major, and handed to
-        the tracker as one stack: one staging span and one snapshot copy for the step."""
-        refs = [(spec.request_id, ref) for spec in specs for ref in spec.values]
-        if not refs:
-            return 0, 0
-        stacked = self._gather(refs)
-        keys = self.keys.store_keys([ref.value_hash for _, ref in refs], self.rank)
-        items = [(rid, key) for (rid, _), key in zip(refs, keys, strict=True)]
-        accepted = self.saver.submit_stacked(items, stacked)
-        self._had_saves.update(rid for rid, _ in refs)
-        now = time.monotonic()
-        for row in accepted:
-            self._save_t0.setdefault(items[row][0], now)
-        return len(accepted), len(refs)
-
-    def _block_ids(self, refs: list[tuple[str, ValueRef]]) -> list[list[int]]:
-        """The step's block ids per KV cache group, value after value."""
-        return [[b for _, ref in refs for b in ref.block_ids[g]] for g in range(len(refs[0][1].block_ids))]
-
-    def _gather(self, refs: list[tuple[str, ValueRef]]) -> torch.Tensor:
-        """``[values, layers, *layer_shape]``: the step's values gathered value-major, so each value is
-        contiguous and the whole step is one snapshot copy."""
-        assert self.layout is not None
-        dim, bpv = self.layout.block_dim, self.keys.blocks_per_value
-        device = self._layer_caches[0][0].device
-        ids = [_index(group, device) for group in self._block_ids(refs)]
-        per_layer = []
-        for cache, group in self._layer_caches:
-            picked = cache.index_select(dim, ids[group])  # [..., values * bpv, ...]
-            split = (*picked.shape[:dim], len(refs), bpv, *picked.shape[dim + 1 :])
-            per_layer.append(picked.view(split).movedim(dim, 0))
-        return torch.stack(per_layer, dim=1)
-
     def handle_preemptions(self, meta: AsyncConnKVMetadata) -> None:
-        """The preempted requests' blocks are reused by this step: wait until no save still reads them.
-
-        With the save tracker's copy thread (CPU) only the copies still pending for those requests are
-        waited for (their puts read staging, not the blocks), bounded by ``preempt_timeout``. With the
-        synchronous CPU device the snapshot was taken inside ``submit``: nothing to wait for. On CUDA the
-        snapshot is an asynchronous D2H and the tracker tells only when a request's saves are done, so this
-        waits for those saves, bounded.
-        """
-        if not meta.preempted:
+        """The preempted requests' blocks are reused by this step: wait (bounded by ``preempt_timeout``)
+        until no save still reads them; what that means depends on the save mode."""
+        if not meta.preempted or self.saves is None:
             return
-        if self.saver.copy_thread is not None:
-            if not self.saver.wait_snapshots(meta.preempted, self.preempt_timeout):
-                log.warning("KV snapshots of preempted requests %s still running", sorted(meta.preempted))
-            return
-        if isinstance(self.saver.device, CpuDevice):
-            return
-        busy = [rid for rid in meta.preempted if self.saver.pending(rid)]
-        if busy:
-            done = self.saver.wait(busy, self.preempt_timeout)
-            for rid in done:
-                self._observe_save(rid)
-            if len(done) < len(busy):
-                log.warning("KV saves of preempted requests %s still running", sorted(set(busy) - done))
+        for rid in self.saves.protect(set(meta.preempted), self.preempt_timeout):
+            self._observe_save(rid)
 
     def _observe_save(self, rid: str) -> None:
         t0 = self._save_t0.pop(rid, None)
@@ -786,70 +537,3 @@ class KVWorkerSide:
                 concurrent.futures.TimeoutError,
             ) as exc:  # never raise into vLLM's teardown
                 log.warning("KV connector: closing the store failed: %s", exc)
-
-
-def _group_plan(
-    ids: Sequence[int], positions: tuple[int, ...], whole: tuple[int, ...], device: torch.device
-) -> tuple[int | torch.Tensor, torch.Tensor | None, int] | None:
-    """Where one group's layers take a value's blocks: (block ids -- the first one when they are a run of
-    consecutive ids, a plain slice of the cache with no index tensor to build --, the value positions to
-    take or None for the whole value in order, the count); None when every position is the null block."""
-    if NULL_BLOCK_ID in ids:
-        keep = [i for i, b in enumerate(ids) if b != NULL_BLOCK_ID]
-        if not keep:
-            return None
-        ids = [ids[i] for i in keep]
-        positions = tuple(positions[i] for i in keep)
-    first = ids[0]
-    run = tuple(ids) == tuple(range(first, first + len(ids)))
-    where: int | torch.Tensor = first if run else _index(ids, device)
-    return where, (None if positions == whole else _index(positions, device)), len(ids)
-
-
-def _rows_of_one(values: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(values)``, without the copy when the values are already the consecutive rows of one
-    tensor (the loader lands the values a poll hands over so, on CUDA)."""
-    first = values[0]
-    size, offset = first.numel(), first.storage_offset()
-    base = first.untyped_storage().data_ptr()
-    if first.is_contiguous() and all(
-        v.is_contiguous()
-        and v.shape == first.shape
-        and v.untyped_storage().data_ptr() == base
-        and v.storage_offset() == offset + i * size
-        for i, v in enumerate(values)
-    ):
-        return first.as_strided((len(values), *first.shape), (size, *first.stride()), offset)
-    return torch.stack(values)
-
-
-def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``ids`` as an int64 index tensor on ``device``, made without waiting for the device.
-
-    Why: ``torch.tensor(ids, device="cuda")`` copies from pageable memory, and such a copy waits for every
-    kernel queued on the current stream -- on vLLM's thread, a stall until the GPU has caught up with the
-    forward. From pinned memory (torch's caching host allocator keeps it until the copy has run) the copy is
-    queued like any kernel.
-    """
-    host = torch.tensor(ids, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def _gather_specs(
-    caches: list[tuple[torch.Tensor, int]], specs: Sequence[SaveSpec], dim: int
-) -> torch.Tensor:
-    """:func:`_gather_layers` of every value of ``specs``, value after value (run by the copy thread)."""
-    refs = [ref for spec in specs for ref in spec.values]
-    groups = len(refs[0].block_ids)
-    return _gather_layers(caches, [[b for ref in refs for b in ref.block_ids[g]] for g in range(groups)], dim)
-
-
-def _gather_layers(
-    caches: list[tuple[torch.Tensor, int]], block_ids: list[list[int]], dim: int
-) -> torch.Tensor:
-    """``[num_layers, *layer_shape]`` with the block dimension holding ``block_ids`` (per group), stacked."""
-    device = caches[0][0].device
-    ids = [_index(group, device) for group in block_ids]
-    return torch.stack([cache.index_select(dim, ids[group]) for cache, group in caches])

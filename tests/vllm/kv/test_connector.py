@@ -1,4 +1,5 @@
-"""AsyncConnKVConnector against vLLM 0.32's real scheduler (asyncconn.sim.engine), real KV layouts in workers.
+"""AsyncConnKVConnector against vLLM 0.32's real scheduler (asyncconn_tools.sim.engine), real KV layouts in
+workers.
 
 Every test checks the KV bytes of every running request after every step (loaded blocks must equal computed
 ones) and ends with the leak check: no request, queue entry, KV block, lookup, load, save, staging buffer or
@@ -15,9 +16,9 @@ import pytest
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 from vllm.v1.request import RequestStatus
 
-from asyncconn.sim.engine import SimShape
 from asyncconn.transfer.lazy import Pieces
-from asyncconn.vllm.kv import worker as kv_worker
+from asyncconn.vllm.kv import saves as kv_saves
+from asyncconn_tools.sim.engine import SimShape
 from tests.vllm.kv.test_support import (
     check_kv,
     kv_spec,
@@ -519,7 +520,7 @@ def test_cpu_wait_for_save_names_values_by_hash_and_gathers_on_the_copy_thread(
     worker = sim.workers[0].kv_connector.worker_side
     calls: list[tuple[str, int, bool, bool]] = []
     gathers: list[str] = []
-    submit_many, gather = worker.saver.submit_many, kv_worker._gather_specs
+    submit_many, gather = worker.saver.submit_many, kv_saves._gather_rows
 
     def record_submit(rid: str, keys: Any, values: Any, *, name: Any = None) -> int:
         calls.append((rid, len(keys), isinstance(values, Pieces), all(isinstance(k, bytes) for k in keys)))
@@ -530,7 +531,7 @@ def test_cpu_wait_for_save_names_values_by_hash_and_gathers_on_the_copy_thread(
         return gather(*args)
 
     monkeypatch.setattr(worker.saver, "submit_many", record_submit)
-    monkeypatch.setattr(kv_worker, "_gather_specs", record_gather)
+    monkeypatch.setattr(kv_saves, "_gather_rows", record_gather)
     tokens = prompt(21, 40)
     sim.add_request("a", tokens, max_tokens=2)
     run_checked(sim)

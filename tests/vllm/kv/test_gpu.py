@@ -56,16 +56,21 @@ def test_one_polls_loads_land_in_their_blocks(where: str) -> None:
 
 
 def test_a_batch_scatters_as_one_scatter_per_value_would() -> None:
-    """``_scatter_batch``'s logic on CPU tensors (it runs on CUDA values only): the same cache bytes as
-    ``_scatter`` value after value, for whole and partial values at scattered, reversed block ids."""
+    """The CUDA landing's batch (``CacheLayout.scatter_batch``) on CPU tensors: the same cache bytes as
+    ``scatter`` value after value, for whole and partial values at scattered, reversed block ids."""
     from asyncconn.runtime import Runtime
+    from asyncconn.vllm.kv.layout import rows_of_one
+    from asyncconn.vllm.kv.loads import DeviceLanding
     from asyncconn.vllm.kv.metadata import ValueRef
 
     runtime = Runtime(name="kv-batch-logic").start()
     try:
         worker, caches = kv_worker("cpu", runtime)
         before = {n: c.clone() for n, c in caches.items()}
-        shape = worker._value_shape()
+        assert worker.layout is not None
+        layout = worker.layout
+        landing = DeviceLanding(layout)
+        shape = layout.value_shape
         rows = torch.randn(5, *shape).half()
         values = [rows[1], rows[4], rows[2], rows[3]]  # two runs of one tensor's rows, and not in order
         refs = [
@@ -74,30 +79,28 @@ def test_a_batch_scatters_as_one_scatter_per_value_would() -> None:
             ValueRef(b"c" * 32, (0, 1), ((11, 12),)),
             ValueRef(b"d" * 32, (0, 1), ((63, 1),)),
         ]
-        worker._batch = list(zip(values, refs, strict=True))
-        worker._scatter_batch()
+        for value, ref in zip(values, refs, strict=True):
+            landing.deliver(value, ref, None)
+        landing.flush()
         batched = {n: c.clone() for n, c in caches.items()}
         for n, c in caches.items():  # the values as consecutive rows of one tensor, as the loader lands them
             c.copy_(before[n])
-        from asyncconn.vllm.kv.worker import _rows_of_one
-
-        run = _rows_of_one([rows[1], rows[2], rows[3]])  # consecutive rows: the tensor itself, no copy
+        run = rows_of_one([rows[1], rows[2], rows[3]])  # consecutive rows: the tensor itself, no copy
         assert run.data_ptr() == rows[1].data_ptr() and torch.equal(run, rows[1:4])
-        apart = _rows_of_one([rows[1], rows[3]])
+        apart = rows_of_one([rows[1], rows[3]])
         assert apart.data_ptr() != rows[1].data_ptr() and torch.equal(apart, torch.stack([rows[1], rows[3]]))
-        worker._batch = [
-            (rows[i], ref) for i, ref in zip((1, 2, 3), (refs[0], refs[2], refs[3]), strict=True)
-        ]
-        worker._scatter_batch()
+        for i, ref in zip((1, 2, 3), (refs[0], refs[2], refs[3]), strict=True):
+            landing.deliver(rows[i], ref, None)
+        landing.flush()
         for value, ref in ((rows[1], refs[0]), (rows[2], refs[2]), (rows[3], refs[3])):
-            for index, (cache, _) in enumerate(worker._layer_caches):
+            for index, (cache, _) in enumerate(layout.caches):
                 got = cache.index_select(1, torch.tensor(ref.block_ids[0]))
                 assert torch.equal(got, value[index]), ref
         for n, c in caches.items():
             c.copy_(before[n])
         for value, ref in zip(values, refs, strict=True):
-            worker._scatter(value, ref)
-        assert worker._batch == []
+            layout.scatter(value, ref)
+        assert landing.batch == []
         for n, c in caches.items():
             assert torch.equal(batched[n], c), n
             assert not torch.equal(c, before[n])

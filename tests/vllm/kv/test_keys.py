@@ -120,7 +120,7 @@ def test_stats_aggregate_and_reduce() -> None:
 def test_layer_layout_detection() -> None:
     import torch
 
-    from asyncconn.vllm.kv.worker import LayerLayout
+    from asyncconn.vllm.kv.layout import LayerLayout
 
     first = LayerLayout.detect(
         {"a": torch.zeros(10, 2, 16, 8), "b": torch.zeros(10, 2, 16, 8)}, ["a", "b"], 10

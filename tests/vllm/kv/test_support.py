@@ -18,7 +18,7 @@ def store_url(latency: str = "") -> str:
 
 
 def kv_spec(url: str, role: str = "kv_both", **extra: Any) -> Any:
-    from asyncconn.sim.engine import ConnectorSpec
+    from asyncconn_tools.sim.engine import ConnectorSpec
 
     return ConnectorSpec("AsyncConnKVConnector", "asyncconn.vllm", role, {"backend_url": url, **extra})
 

@@ -19,6 +19,7 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, PinnedPool, SaveTracker, StreamLoader
 from asyncconn.vllm.kv.connector import AsyncConnKVConnector
+from asyncconn.vllm.kv.in_place import InPlaceLanding
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
 from asyncconn.vllm.kv.worker import KVWorkerSide
@@ -49,6 +50,7 @@ def _worker(
     url: str | None = None,
     kv_outer: bool = False,
     groups: dict[str, int] | None = None,
+    windowed: bool = False,
 ) -> tuple[KVWorkerSide, KeySpace, dict[str, torch.Tensor]]:
     """A worker on host caches of ``[NUM_BLOCKS, 2, 16, 8]`` per layer (``kv_outer``: ``[2, NUM_BLOCKS, 16,
     8]``, K and V apart, vLLM's other layout)."""
@@ -68,6 +70,7 @@ def _worker(
         layers=LAYERS,
         group_of_layer=groups or dict.fromkeys(LAYERS, 0),
         num_blocks=NUM_BLOCKS,
+        windowed=windowed,
     )
     shape = (2, NUM_BLOCKS, 16, 8) if kv_outer else (NUM_BLOCKS, 2, 16, 8)
     caches = {n: torch.zeros(shape) for n in LAYERS}
@@ -191,7 +194,7 @@ def test_in_place_loads_land_bytes_exact_in_the_cache(
     tensors and ``_scatter`` must not run for them); a second request wanting the same value gets the owner's
     blocks copied; a partial value goes through staging; a corrupt one is a load error of its blocks."""
     worker, keys, caches = _worker(runtime, bpv, f"file://{tmp_path}/store")
-    assert worker._cache_bytes is not None
+    assert isinstance(worker.landing, InPlaceLanding) and worker.layout is not None
     values = [torch.randn(len(LAYERS), bpv, 2, 16, 8) for _ in range(4)]
     hashes = [bytes([v + 1]) * 32 for v in range(4)]
     runtime.run(
@@ -210,8 +213,8 @@ def test_in_place_loads_land_bytes_exact_in_the_cache(
     other = ValueRef(hashes[0], whole, (tuple(2 + j for j in whole),))  # another request, same value
     partial = [ValueRef(hashes[2], (bpv - 1,), ((6,),))] if bpv > 1 else []
     scattered: list[ValueRef] = []
-    real_scatter = worker._scatter
-    worker._scatter = lambda value, ref: (scattered.append(ref), real_scatter(value, ref))[1]  # type: ignore[method-assign]
+    real_scatter = worker.layout.scatter
+    worker.layout.scatter = lambda value, ref: (scattered.append(ref), real_scatter(value, ref))[1]  # type: ignore[method-assign]
     worker.start_load_kv(
         AsyncConnKVMetadata(loads=[LoadSpec("r", tuple(refs + partial)), LoadSpec("s", (other,))])
     )
@@ -243,7 +246,7 @@ def test_in_place_loads_with_k_and_v_apart_land_in_each_half(
     """With the ``[2, num_blocks, ...]`` layout a value's blocks are two pieces per run of ids in each layer
     (K's, then V's); runs of consecutive ids and lone ids mixed must each land at their own blocks."""
     worker, keys, caches = _worker(runtime, bpv, f"file://{tmp_path}/store", kv_outer=True)
-    assert worker._cache_bytes is not None and worker._outer == 2
+    assert isinstance(worker.landing, InPlaceLanding) and worker.landing.outer == 2
     value = torch.randn(len(LAYERS), 2, bpv, 16, 8)
     key_hash = b"\x07" * 32
     runtime.run(worker.store.put([(keys.store_key(key_hash, 0), value)]))
@@ -519,19 +522,19 @@ def test_a_windowed_models_saves_are_gathered_before_save_returns(
     """vLLM frees a sliding-window group's blocks while the request runs, and the next step may write them
     for another request: the step's blocks are copied on vLLM's thread before ``save`` returns (not later
     on the copy thread), so what is stored is what this step computed even if the blocks change at once."""
-    from asyncconn.vllm.kv import worker as worker_module
+    from asyncconn.vllm.kv import saves as saves_module
 
     groups = {"layer.0": 0, "layer.1": 0, "layer.2": 1}
-    worker, keys, caches = _worker(runtime, 1, groups=groups)
-    worker.windowed = True
+    worker, keys, caches = _worker(runtime, 1, groups=groups, windowed=True)
+    assert isinstance(worker.saves, saves_module.CopyThreadSaves) and worker.saves.windowed
     threads: list[str] = []
-    real = worker_module._gather_specs
+    real = saves_module._gather_rows
 
     def gather(*args: Any) -> torch.Tensor:
         threads.append(threading.current_thread().name)
         return real(*args)
 
-    monkeypatch.setattr(worker_module, "_gather_specs", gather)
+    monkeypatch.setattr(saves_module, "_gather_rows", gather)
     for cache in caches.values():
         cache[3:5].normal_()
     want = [torch.stack([caches[n][b].clone() for n in LAYERS]).unsqueeze(1) for b in (3, 4)]

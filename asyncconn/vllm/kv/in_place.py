@@ -1,0 +1,88 @@
+"""In-place loads: on a CPU engine over a store that serves reads from memory (``file://``'s page cache), a
+whole value is read straight into the request's blocks -- no staging buffer and no copy out of one.
+
+The destination is a :class:`~asyncconn.store.Scattered`: the value's bytes, layer by layer, are the blocks
+``ref.block_ids`` of each layer in order (a run of consecutive ids is one piece). The loader groups such reads
+into ``cached_only`` store calls (memory copies, never a disk wait); a value the store would have had to
+wait for comes back ``NOT_CACHED`` and is fetched again through staging (:meth:`InPlaceLanding.fallback`).
+Another request wanting the same value copies it from the blocks it was read into. The worker keeps the
+reading request's load open until the read has ended, also when it was aborted or timed out meanwhile:
+vLLM frees or recomputes a request's blocks only after it is reported.
+
+This is the one CPU-only load path; :func:`asyncconn.vllm.kv.loads.landing_for` is its one use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from asyncconn import codec
+from asyncconn.store import Scattered, TensorStore
+from asyncconn.transfer import Failure, LoadResult, NewTensor
+from asyncconn.transfer.runs import runs
+from asyncconn.vllm.kv.groups import has_null
+from asyncconn.vllm.kv.layout import CacheLayout
+from asyncconn.vllm.kv.loads import HostLanding
+from asyncconn.vllm.kv.metadata import ValueRef
+
+__all__ = ["InPlaceLanding"]
+
+
+class InPlaceLanding(HostLanding):
+    """Whole values read into the request's blocks; partial ones, and fallbacks, through staging."""
+
+    @staticmethod
+    def possible(layout: CacheLayout, store: TensorStore) -> bool:
+        """A host cache whose layers are contiguous, over a store that serves reads from memory."""
+        return store.cached_reads and all(
+            c.device.type == "cpu" and c.is_contiguous() for c, _ in layout.caches
+        )
+
+    def __init__(self, layout: CacheLayout) -> None:
+        super().__init__(layout)
+        # Flat byte views of the layers' caches, the bytes of one block, and the number of block runs per
+        # layer (the outer dims before the block dim).
+        self.cache_bytes = [codec.tensor_bytes(c) for c, _ in layout.caches]
+        shape, dim = layout.layer.layer_shape, layout.block_dim
+        self.outer = math.prod(shape[:dim])
+        self.block_bytes = self.cache_bytes[0].nbytes // (self.outer * shape[dim])
+        # Why each destination can be built unchecked (Scattered.trusted): the layers share one shape
+        # (LayerLayout.detect), so every layer's pieces of a whole value add up to the value.
+        per_layer = self.outer * layout.blocks_per_value * self.block_bytes
+        assert per_layer * len(self.cache_bytes) == self.staged.staging_nbytes
+
+    def destination(self, ref: ValueRef) -> tuple[NewTensor | Scattered, bool]:
+        if ref.positions != self.layout.whole or has_null(ref.block_ids):
+            return self.staged, False
+        per_block = self.block_bytes
+        blocks = self.layout.layer.layer_shape[self.layout.block_dim]
+        # Byte ranges of one layer, the same in every layer of a group: runs of consecutive ids, per outer
+        # index (computed once per group, not once per layer: this runs on vLLM's thread for every value).
+        ranges = []
+        for ids in ref.block_ids:
+            id_runs = runs(ids)
+            ranges.append(
+                [
+                    ((o * blocks + first) * per_block, (o * blocks + first + count) * per_block)
+                    for o in range(self.outer)
+                    for first, count in id_runs
+                ]
+            )
+        views = [
+            flat[a:b]
+            for (_, group), flat in zip(self.layout.caches, self.cache_bytes, strict=True)
+            for a, b in ranges[group]
+        ]
+        return Scattered.trusted(self.layout.dtype, self.staged.shape or (), tuple(views)), True
+
+    def fallback(self, result: LoadResult) -> NewTensor | None:
+        """A value the store would have had to wait for: read it through staging."""
+        return self.staged if result.failure is Failure.NOT_CACHED else None
+
+    def deliver(self, value: torch.Tensor | None, ref: ValueRef, landed_in: ValueRef | None) -> None:
+        if value is None:  # read into another request's blocks: copy it from there
+            assert landed_in is not None
+            value = self.layout.gather_blocks([list(g) for g in landed_in.block_ids])
+        self.layout.scatter(value, ref)
