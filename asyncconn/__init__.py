@@ -1,10 +1,15 @@
 """asyncconn: asyncio-native connectors between vLLM and external stores that never stall the engine.
 
-The public API is listed in ``__all__`` (a test keeps it honest). Submodules load lazily where they pull
-in heavy dependencies; backends are resolved by URL scheme, never imported by the core.
+The public API is listed in ``__all__`` (a test keeps it honest). The names that need torch (the codec's
+functions, :class:`TensorStore` and its records) are imported on first use, so ``import asyncconn`` -- and
+with it ``asyncconn --help`` and every command that never touches a tensor -- does not pay torch's second of
+import time; backends are resolved by URL scheme, never imported by the core.
 """
 
 from __future__ import annotations
+
+import importlib
+import typing
 
 from asyncconn.backend import (
     StorageBackend,
@@ -13,7 +18,6 @@ from asyncconn.backend import (
     register_backend,
     resolve_backend,
 )
-from asyncconn.codec import decode, decode_into, encode, encode_parts
 from asyncconn.config import Settings
 from asyncconn.exceptions import (
     AsyncConnError,
@@ -35,14 +39,27 @@ from asyncconn.exceptions import (
     PoolTooSmall,
     RuntimeClosed,
     RuntimeStateError,
-    SimulationError,
     TransferError,
     UnknownSchemeError,
     UsedAfterFork,
 )
 from asyncconn.runtime import Runtime, get_runtime, shutdown_runtime
-from asyncconn.store import Fetch, StoreStats, TensorStore
 from asyncconn.url import StoreURL, parse_url, redact
+
+if typing.TYPE_CHECKING:
+    from asyncconn.codec import decode, decode_into, encode, encode_parts
+    from asyncconn.store import Fetch, StoreStats, TensorStore
+
+#: name -> the module that defines it, imported by :func:`__getattr__` on first use (these import torch).
+_LAZY: dict[str, str] = {
+    "decode": "asyncconn.codec",
+    "decode_into": "asyncconn.codec",
+    "encode": "asyncconn.codec",
+    "encode_parts": "asyncconn.codec",
+    "Fetch": "asyncconn.store",
+    "StoreStats": "asyncconn.store",
+    "TensorStore": "asyncconn.store",
+}
 
 __version__ = "0.1.0"
 
@@ -70,7 +87,6 @@ __all__ = [
     "UsedAfterFork",
     "RuntimeStateError",
     "Settings",
-    "SimulationError",
     "StorageBackend",
     "StoreStats",
     "StoreURL",
@@ -91,3 +107,16 @@ __all__ = [
     "resolve_backend",
     "shutdown_runtime",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncconn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

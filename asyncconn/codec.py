@@ -15,13 +15,13 @@ Layout (all integers little-endian)::
     payload    `length` bytes, C-contiguous, starting PAYLOAD_ALIGN-aligned in the frame
 
 Why the padding: a backend that reads a frame straight into caller memory (``file://``'s ``preadv``) has
-the kernel copy each payload byte from the frame's offset to the destination's address. On this project's
-CPU box (AMD EPYC) that copy is fastest when the two are equally aligned, 1.2x slower at most other
-distances, and about 2-4x slower when the destination sits 8-24 bytes past the source modulo a page
-(``asyncconn bench align``; docs/benchmarks.md). Destinations -- torch tensors, vLLM's KV blocks, staging
-views -- are 64-byte aligned, so the payload starts 64-byte aligned in the frame too, whatever the tensor's
-rank (format 1 had no padding: a rank-4 value's 56-byte header hit the 4x case). A frame of format version
-1 is refused with :class:`FrameVersionError`: a miss.
+the kernel copy each payload byte from the frame's offset to the destination's address. That copy is
+fastest when the two are equally aligned and several times slower when the destination sits a few bytes
+past the source modulo a page (``asyncconn bench align`` measures it: docs/benchmarks.md). Destinations --
+torch tensors, vLLM's KV blocks, staging views -- are 64-byte aligned, so the payload starts 64-byte
+aligned in the frame too, whatever the tensor's rank (format 1 had no padding, so some ranks' headers put
+the payload in the slow case). A frame of format version 1 is refused with :class:`FrameVersionError`: a
+miss.
 
 The checksum covers the header as well as the payload, so a flipped dtype code (float16 <-> bfloat16 have
 the same item size) or shape is caught, not decoded into a plausible wrong tensor. Decoding checks every
@@ -142,8 +142,8 @@ def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
     """A flat uint8 memoryview over a contiguous CPU tensor's storage (no copy)."""
     if tensor.numel() == 0:  # memoryview.cast refuses shapes holding a zero, e.g. (2, 0)
         return memoryview(bytearray())  # writable: it may be a read's destination
-    # numpy arrays export the buffer protocol (their stubs do not say so). Going through numpy directly is
-    # ~3x cheaper than reshape/view first, which only the dtypes numpy lacks (bfloat16, float8) need.
+    # numpy arrays export the buffer protocol (their stubs do not say so). Going through numpy directly
+    # skips the reshape/view, which only the dtypes numpy lacks (bfloat16, float8) need.
     array: Any = (
         tensor.numpy() if tensor.dtype in _NUMPY_DTYPES else tensor.reshape(-1).view(torch.uint8).numpy()
     )

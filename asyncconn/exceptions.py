@@ -29,8 +29,7 @@ boundary where they enter, so callers -- vLLM adapters above all -- only ever ne
     ├── InvalidInput                an argument a store call can never serve (a non-str key, a non-tensor,
     │                               a sparse or meta tensor, a value that is not bytes); also TypeError
     │                               and ValueError
-    ├── LookupProtocolError         a lookup message that breaks the wire format (bad frames, sizes, keys)
-    └── SimulationError             the offline vLLM engine simulator was given input vLLM would reject
+    └── LookupProtocolError         a lookup message that breaks the wire format (bad frames, sizes, keys)
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ __all__ = [
     "DuplicateTransfer",
     "InvalidInput",
     "LookupProtocolError",
-    "SimulationError",
 ]
 
 
@@ -158,7 +156,3 @@ class InvalidInput(AsyncConnError, TypeError, ValueError):
 
 class LookupProtocolError(AsyncConnError):
     """A lookup request or reply breaks the wire format (frame count, field sizes, key encoding, caps)."""
-
-
-class SimulationError(AsyncConnError):
-    """The offline engine simulator (``asyncconn.sim.engine``) was driven into a state vLLM would reject."""

@@ -283,7 +283,7 @@ class FileBackend(StorageBackend):
     def _path(self, key: str) -> str:
         """``path_for`` as a string, remembered for the last ``_PATH_MEMO`` keys: a prefix's lookup, its
         load and the next request's lookup ask for the same keys, and building a path (a hash and a quote)
-        was ~3 us of each value's Python on a pool thread."""
+        was a visible share of each value's Python on a pool thread."""
         path = self._paths.get(key)
         if path is None:
             if len(self._paths) >= _PATH_MEMO:
@@ -424,7 +424,7 @@ class FileBackend(StorageBackend):
         """Read a batch on this pool thread and ``read_threads - 1`` helpers, each taking the next value.
 
         Why one batch shared, not one batch per thread: the page-cache copies drop the GIL but the checksum
-        of a value's pieces holds it, so two threads given half the values each ended up to 4 ms apart on
+        of a value's pieces holds it, so two threads given half the values each ended milliseconds apart on
         a 2-core engine (whichever got the GIL less), and the load lasts as long as the later one. Taking
         the next value ends them within one value of each other. Values are not split here (``split``):
         the threads already run side by side, and a helper must never wait for another helper.

@@ -11,7 +11,7 @@ mkdir -p "$dir"
 # asyncconn's own dependencies (not torch: the machine has it) and the test runner with its dependencies.
 # numpy: the codec hands tensors' bytes over through it (torch does not depend on it).
 packages=(
-  numpy msgpack pyzmq "redis[hiredis]" redis hiredis uvloop xxhash
+  numpy prometheus_client pyzmq "redis[hiredis]" redis hiredis uvloop xxhash
   pytest pluggy iniconfig packaging pygments typing_extensions pytest-asyncio pytest-timeout
 )
 python3 -m pip download --only-binary=:all: --no-deps --dest "$dir" \

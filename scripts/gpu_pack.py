@@ -151,12 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     target = (args.target or Path(tempfile.mkdtemp(prefix="asyncconn-gpu-site-"))).resolve()
     target.mkdir(parents=True, exist_ok=True)
     # The repository is used in place, not installed: its backends/ folder installs as
-    # `asyncconn_backends`, so that name is made importable here by a link in the install dir.
+    # `asyncconn_backends`, so that name is made importable here by a link in the install dir, and
+    # devtools/ (the asyncconn-tools package: `asyncconn bench`) goes on the path beside the root.
     link = target / "asyncconn_backends"
     if not link.exists():
         link.symlink_to(ROOT / "backends", target_is_directory=True)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(target), env.get("PYTHONPATH", "")) if p)
+    paths = (str(ROOT), str(ROOT / "devtools"), str(target), env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     py = sys.executable
     steps: dict[str, Any] = {}
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     steps["install"] = {"rc": rc, "wheels": [Path(w).name for w in wheels], "kept": present}
 
     probe = (
-        "import json, platform, sys, torch, asyncconn, msgpack, zmq, xxhash, pytest\n"
+        "import json, platform, sys, torch, asyncconn, zmq, xxhash, pytest\n"
         "cuda = torch.cuda.is_available()\n"
         "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__,\n"
         "  'cuda': cuda, 'cuda_version': torch.version.cuda,\n"

@@ -41,8 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from asyncconn.tools.engines import Probe, close_llm, engine_env, kv_config, make_llm
-from asyncconn.tools.tiny_models import build_model
+from asyncconn_tools.engines import Probe, close_llm, engine_env, kv_config, make_llm
+from asyncconn_tools.tiny_models import build_model
 
 #: (start, end, label) of every timed call while a sample runs; appended from any thread (atomic).
 _EVENTS: list[tuple[float, float, str]] = []

@@ -121,7 +121,7 @@ def vllm_scheduler_module() -> Any:
 @pytest.fixture(scope="session")
 def sim_model_dir(tmp_path_factory: pytest.TempPathFactory, vllm_scheduler_module: Any) -> Path:
     """One weightless model directory for the whole session."""
-    from asyncconn.sim.engine import make_model_dir
+    from asyncconn_tools.sim.engine import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("sim-model"))
 
@@ -129,7 +129,7 @@ def sim_model_dir(tmp_path_factory: pytest.TempPathFactory, vllm_scheduler_modul
 @pytest.fixture
 def make_sim(sim_model_dir: Path) -> Iterator[Callable[..., Any]]:
     """Factory for :class:`EngineSim` instances; every one is closed at teardown, whatever the test did."""
-    from asyncconn.sim.engine import EngineSim
+    from asyncconn_tools.sim.engine import EngineSim
 
     sims: list[EngineSim] = []
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from asyncconn import config as config_module
-from asyncconn.cli import _args
+from asyncconn.cli import argtypes
 from asyncconn.cli.main import build_parser
 from asyncconn.cli.main import main as cli_main
 from asyncconn.config import Settings
@@ -225,7 +225,7 @@ def _subparsers(parser: argparse.ArgumentParser, path: str = "") -> dict[str, ar
 def _flags() -> list[tuple[str, str, str]]:
     """(command, flag, type name) of every option with a checked type, over every subcommand."""
     out = []
-    for command, parser in _subparsers(build_parser()).items():
+    for command, parser in _subparsers(build_parser(full=True)).items():
         for action in parser._actions:
             name = getattr(action.type, "__name__", None)
             if action.option_strings and name in CLI_BAD:
@@ -239,10 +239,10 @@ CLI_CASES = [(c, f, bad) for c, f, kind in FLAGS for bad in CLI_BAD[kind]]
 
 def test_every_number_flag_is_checked() -> None:
     """No option parses a number with bare int/float (which take inf, nan, 0 and negatives)."""
-    assert len(FLAGS) >= 30 and set(PREFIX) == set(_subparsers(build_parser()))
+    assert len(FLAGS) >= 30 and set(PREFIX) == set(_subparsers(build_parser(full=True)))
     raw = [
         (command, action.option_strings[-1])
-        for command, parser in _subparsers(build_parser()).items()
+        for command, parser in _subparsers(build_parser(full=True)).items()
         for action in parser._actions
         if action.type in (int, float)
     ]
@@ -256,7 +256,7 @@ def test_bad_flag_value_exits_2_naming_the_flag(
     command: str, flag: str, bad: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as info:
-        build_parser().parse_args([*PREFIX[command], f"{flag}={bad}"])
+        _parse(*PREFIX[command], f"{flag}={bad}")
     assert info.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
 
@@ -267,13 +267,18 @@ def test_check_timeout_is_checked(timeout: str, capsys: pytest.CaptureFixture[st
     assert "argument --timeout" in capsys.readouterr().err
 
 
+def _parse(*argv: str) -> argparse.Namespace:
+    """Parse as ``asyncconn`` does: the parser built for ``argv`` alone (only its command's module loaded)."""
+    return build_parser(argv).parse_args(argv)
+
+
 def test_good_flag_values_parse() -> None:
-    args = build_parser().parse_args(["check", "memory://v", "--timeout", "500ms", "--size", "1KiB"])
+    args = _parse("check", "memory://v", "--timeout", "500ms", "--size", "1KiB")
     assert (args.timeout, args.size) == (0.5, 1024)
-    args = build_parser().parse_args(["bench", "kv", "--bpv", "1,4", "--what", "bpv", "--latency", "0ms"])
+    args = _parse("bench", "kv", "--bpv", "1,4", "--what", "bpv", "--latency", "0ms")
     assert (args.bpv, args.what, args.latency) == ([1, 4], "bpv", "0ms")
-    args = build_parser().parse_args(["bench", "backend", "--url", "memory://v", "--iterations", "0"])
+    args = _parse("-v", "bench", "backend", "--url", "memory://v", "--iterations", "0")
     assert args.iterations == 0 and args.sizes == [1 << 20, 4 << 20, 16 << 20]
-    args = build_parser().parse_args(["chaos", "--faults", "", "--seed", "0"])
+    args = _parse("chaos", "--faults", "", "--seed", "0")
     assert args.faults == "" and args.seed == 0
-    assert _args.positive_duration("2") == 2.0
+    assert argtypes.positive_duration("2") == 2.0

@@ -13,12 +13,9 @@ import contextlib
 import time
 import uuid
 
-import torch
-
-from asyncconn.cli import _args
+from asyncconn.cli import argtypes
 from asyncconn.exceptions import AsyncConnError
 from asyncconn.runtime import Runtime
-from asyncconn.store import TensorStore
 from asyncconn.url import redact, scrub, url_secrets
 
 __all__ = ["add_arguments", "check", "run"]
@@ -27,15 +24,20 @@ __all__ = ["add_arguments", "check", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("url", help="store URL, e.g. redis://127.0.0.1:6379/0 or file:///tmp/store")
     parser.add_argument(
-        "--timeout", type=_args.positive_duration, default=5.0, help="seconds allowed for the whole check"
+        "--timeout", type=argtypes.positive_duration, default=5.0, help="seconds allowed for the whole check"
     )
     parser.add_argument(
-        "--size", type=_args.positive_size, default=1 << 16, help="bytes of the test tensor (e.g. 64KiB)"
+        "--size", type=argtypes.positive_size, default=1 << 16, help="bytes of the test tensor (e.g. 64KiB)"
     )
 
 
 async def check(url: str, timeout: float, size: int) -> dict[str, float]:
     """Run the round trip; return the latency of each step in milliseconds. Raises AsyncConnError."""
+    # Imported here, not above: ``asyncconn check --help`` answers without a second of torch imports.
+    import torch
+
+    from asyncconn.store import TensorStore
+
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     store = await TensorStore.open(url, timeout=timeout)

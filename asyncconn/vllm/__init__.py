@@ -27,7 +27,7 @@ aborted     discarded; a late answer is    fetches cancelled, staging freed;   a
 preempted   discarded; the store is asked  cannot happen (a request waiting    pending snapshot copies (CUDA
             again on re-admission          for KV is not running)              stream or CPU copy thread)
                                                                                waited for, bounded by
-                                                                               ``store_timeout``, in
+                                                                               ``preempt_timeout``, in
                                                                                ``handle_preemptions``
 ==========  =============================  ==================================  ==================================
 

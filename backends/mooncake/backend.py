@@ -89,9 +89,9 @@ _Sources = tuple[list[int], list[int], list[Any]]
 DEFAULT_MASTER_PORT = 50051
 #: First pause between write retries (doubled up to 20 ms): long enough for a racing upsert to finish.
 _RETRY_PAUSE = 0.001
-#: Values from this size up are written by remove + gathered insert (TCP): the staging copy ``upsert_parts``
-#: makes costs more than the extra remove RPC. Measured, the two interleaved (ms, p50): 1 MiB 0.53 vs 0.63,
-#: 2 MiB 0.81 vs 0.86, 3 MiB 0.85 vs 0.90, 4 MiB 1.18 vs 1.17, 8 MiB 2.10 vs 1.69, 16 MiB 2.9-3.1 vs 1.7-1.8.
+#: Values from this size up are written by remove + gathered insert (TCP): from about here the staging copy
+#: ``upsert_parts`` makes costs more than the extra remove RPC; below it the RPC costs more (timed against
+#: each other, interleaved, on the same client; ``asyncconn bench mooncake`` measures the put path).
 _GATHER_MIN = 4 << 20
 #: At most this many direct reads go in one request (more queued at once are split, so several workers share
 #: them).
@@ -148,10 +148,12 @@ class MooncakeBackend(StorageBackend):
         "local_hostname": Param.text(
             None, "address this client advertises to peers (default: 127.0.0.1 for a loopback master)"
         ),
-        "prefix": Param.text("", "prepended to every key (tenants / models sharing one pool)"),
+        "prefix": Param.text("", "start of every object name, before the key (and a connector's key_prefix)"),
         "replicas": Param.count(1, "copies Mooncake keeps of each value"),
         "workers": Param.count(4, "threads running the store's blocking calls"),
-        "timeout": Param.duration(5.0, "bound on every call, write retries included"),
+        "timeout": Param.duration(
+            5.0, "bound on every call, write retries included (with store_timeout: the smaller wins)"
+        ),
     }
 
     def __init__(
@@ -567,7 +569,7 @@ class MooncakeBackend(StorageBackend):
                 continue
             # Anything else is this key's own answer (Mooncake answers each key of a request separately),
             # handled by the caller as for a lone read. Not re-read: against a master that is down, each
-            # read blocks ~4 s while the client reconnects (measured), and re-reads would queue them up.
+            # read blocks for seconds while the client reconnects, and re-reads would queue them up.
             out[i] = (int(code), "other")
 
     def _get_into_blocking(

@@ -88,12 +88,16 @@ class RedisBackend(StorageBackend):
     """A redis-py connection pool behind the batch contract; one instance per store URL, used on one loop."""
 
     params: ClassVar[dict[str, Param]] = {
-        "prefix": Param.text("", "prepended to every key (isolates tenants or models in one database)"),
+        "prefix": Param.text(
+            "", "start of every Redis key name, outside the braced key (a connector's key_prefix is inside)"
+        ),
         "ttl": Param.duration(0.0, "expiry of everything written (0: never expires)"),
         "chunk_size": Param.size(DEFAULT_CHUNK_SIZE, "values above this are split into chunks of this size"),
         "parallel": Param.count(4, "connections one value's chunks are fetched over at once"),
         "max_connections": Param.count(16, "pool size; callers wait for a free connection"),
-        "timeout": Param.duration(5.0, "bound on every call, connecting included"),
+        "timeout": Param.duration(
+            5.0, "bound on every call, connecting included (with store_timeout: the smaller wins)"
+        ),
         "db": Param(_db_number, None, "database number (unix:// URLs; redis:// may give it as the path)"),
         "check": Param.boolean(True, "PING when opening, so a wrong address or password fails at once"),
         "fast_read": Param.boolean(
@@ -397,11 +401,12 @@ class RedisBackend(StorageBackend):
 
         Why: going through :meth:`get` allocates a fresh buffer per chunk and copies it into the
         destination afterwards; with 1 MiB chunks glibc hands that memory back to the kernel between reads,
-        so every read page-faulted 4 MiB in again and held 4 MiB gets near 0.4x of ``redis-benchmark``
-        (docs/redis.md). The chunk boundaries are predicted with :func:`split_value` over
-        ``dests`` -- the cut the writer made of the same frame parts -- and every reply's length is
-        checked against its slot. A value written with another ``chunk_size`` falls back to :meth:`get`
-        and a copy; a lost chunk follows the new manifest once, as :meth:`get` does.
+        so every read page-faulted its memory in again and gets fell far behind ``redis-benchmark``
+        (``asyncconn bench backend`` compares the two: docs/benchmarks.md). The chunk boundaries are
+        predicted with :func:`split_value` over ``dests`` -- the cut the writer made of the same frame
+        parts -- and every reply's length is checked against its slot. A value written with another
+        ``chunk_size`` falls back to :meth:`get` and a copy; a lost chunk follows the new manifest once, as
+        :meth:`get` does.
         """
         checked_dests(key, dests)
         if self._reader is None:

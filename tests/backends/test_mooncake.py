@@ -633,7 +633,7 @@ async def test_reads_queued_together_go_as_one_request_and_each_is_answered_as_a
 async def test_the_side_by_side_benchmark_runs(mooncake_master: MooncakeMaster) -> None:
     """``asyncconn bench mooncake`` (the figures in docs/benchmarks.md), tiny sizes: it runs and
     reports every ratio it promises."""
-    from asyncconn.tools.bench.mooncake import _bench
+    from asyncconn_tools.bench.mooncake import _bench
 
     url = mooncake_master.url(segment="64MiB", buffer="32MiB", timeout="5s", prefix=_prefix())
     out = await _bench(url, [64 << 10], 1, 2, 2, 4, 4 << 10)

@@ -218,7 +218,7 @@ async def test_get_into_inline_absent_and_wrong_size(redis_server: RedisServer, 
 
 async def test_overwrite_probe_reads_both_paths(redis_server: RedisServer, raw: aioredis.Redis) -> None:
     """The benchmark probe behind the docs' overwrite figures runs both read paths and cleans up."""
-    from asyncconn.tools.bench.redis import probe_overwrites
+    from asyncconn_tools.bench.redis import probe_overwrites
 
     result = await probe_overwrites(
         _url(redis_server, "chunk_size=16KiB"), 64 << 10, phases=2, puts=3, gets=2

@@ -667,7 +667,7 @@ async def test_chunked_values_are_evicted_whole_under_allkeys_lru(chunk_size: st
     their other chunks still held memory: 28% hits at 1 MiB chunks, 4% at 256 KiB (stored whole: 91%).
     Every value left behind is whole: a string, or a hash holding its manifest and all its chunks.
     """
-    from asyncconn.tools.bench.redis import eviction_hit_rate
+    from asyncconn_tools.bench.redis import eviction_hit_rate
 
     server = RedisServer(extra_args=("--maxmemory", "24mb", "--maxmemory-policy", "allkeys-lru")).start()
     raw = aioredis.Redis(host="127.0.0.1", port=server.port)

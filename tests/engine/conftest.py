@@ -1,7 +1,7 @@
 """vLLM's real engine (its CPU build here, the CUDA build on a GPU) with asyncconn's connectors.
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one at a time, on tiny random-weight
-models built at test time (cached: :func:`asyncconn.tools.tiny_models.build_model`). The first engine of a
+models built at test time (cached: :func:`asyncconn_tools.tiny_models.build_model`). The first engine of a
 session costs ~15 s (imports, model inspection), later ones a few seconds.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from asyncconn.tools.engines import engine_env
+from asyncconn_tools.engines import engine_env
 
 engine_env()
 
@@ -23,14 +23,14 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="session")
 def text_model() -> Path:
-    from asyncconn.tools.tiny_models import build_model
+    from asyncconn_tools.tiny_models import build_model
 
     return build_model("text")
 
 
 @pytest.fixture(scope="session")
 def vision_model() -> Path:
-    from asyncconn.tools.tiny_models import build_model
+    from asyncconn_tools.tiny_models import build_model
 
     return build_model("vision")
 
@@ -45,7 +45,7 @@ def shared_prefix_prompts(n: int = 4, prefix: int = 96, suffix: int = 100, seed:
 @pytest.fixture(scope="session")
 def kv_reference(text_model: Path) -> Iterator[dict[str, Any]]:
     """Tokens and per-block KV of :data:`kvcase.PROMPTS` from an engine without a connector."""
-    from asyncconn.tools.engines import Probe, close_llm, make_llm
+    from asyncconn_tools.engines import Probe, close_llm, make_llm
     from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, generate
 
     llm = make_llm(text_model)
@@ -62,7 +62,7 @@ def kv_reference(text_model: Path) -> Iterator[dict[str, Any]]:
 @pytest.fixture
 def engines() -> Iterator[list[Any]]:
     """A list the test appends its LLMs to; every one still open is closed afterwards."""
-    from asyncconn.tools.engines import close_llm
+    from asyncconn_tools.engines import close_llm
 
     opened: list[Any] = []
     try:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm, token_ids
+from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm, token_ids
 from tests.engine.conftest import shared_prefix_prompts
 
 PROMPTS = shared_prefix_prompts()

@@ -25,7 +25,7 @@ import torch
 from asyncconn.lookup.protocol import store_key
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.tools.engines import (
+from asyncconn_tools.engines import (
     Probe,
     close_llm,
     config_from_json,
@@ -34,7 +34,7 @@ from asyncconn.tools.engines import (
     make_llm,
     token_ids,
 )
-from asyncconn.tools.tiny_models import IMAGE_SIZE
+from asyncconn_tools.tiny_models import IMAGE_SIZE
 
 pytestmark = pytest.mark.vllm
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from asyncconn.tools.demo.keeper import kept_store
-from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
+from asyncconn_tools.demo.keeper import kept_store
+from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import (
     FULL_BLOCKS,
     PROMPTS,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from asyncconn_backends.file import FileBackend
 
-from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
+from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import (
     PROMPTS,
     assert_idle,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncconn.tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
+from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import assert_idle, generate
 
 pytestmark = pytest.mark.vllm
@@ -33,7 +33,7 @@ FULL_BLOCKS = len(PROMPTS[0]) // BLOCK_SIZE
 
 @pytest.fixture(scope="module")
 def hybrid_model() -> Path:
-    from asyncconn.tools.tiny_models import build_model
+    from asyncconn_tools.tiny_models import build_model
 
     return build_model("hybrid")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from asyncconn.tools.engines import BLOCK_SIZE, Probe, kv_config, make_llm
+from asyncconn_tools.engines import BLOCK_SIZE, Probe, kv_config, make_llm
 from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, assert_idle, assert_same_kv, sampling, save_prompts
 from tests.servers import RedisServer
 

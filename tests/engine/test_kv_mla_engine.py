@@ -1,7 +1,8 @@
 """The KV connector on an MLA model (DeepSeek-V2-style latent KV) in vLLM's real engine.
 
-vLLM's CPU build runs MLA only with its reference kernels on a CPU without AMX (this one): it forces block
-size 16 and turns prefix caching and chunked prefill off. The connector still gets vLLM's block hashes and
+vLLM's CPU build runs MLA here with its reference kernels (chosen explicitly: on a CPU with AMX it would pick
+its AMX kernels, which take bf16 weights only): they force block size 16 and turn prefix caching and chunked
+prefill off. The connector still gets vLLM's block hashes and
 loads whole prefixes; there is just no local prefix cache to read the blocks back from, so the blocks a
 request used are recorded from the scheduler's output and read right after the request ends (their
 contents stay until they are allocated again; the pool is far larger than the three prompts). Engine 1
@@ -19,12 +20,15 @@ from typing import Any
 import pytest
 import torch
 
-from asyncconn.tools.engines import Probe, close_llm, kv_config, make_llm
+from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import assert_idle, generate
 
 pytestmark = pytest.mark.vllm
 
 MLA_BLOCK = 16  # vLLM's CPU MLA backend overrides the block size to 16
+# The reference kernels, also where the CPU has AMX: vLLM picks its AMX MLA backend there by default, which
+# takes bf16 weights only (this model is float32) and keeps prefix caching on -- another test.
+CPU_MLA = {"attention_backend": "CPU_MLA"}
 rng = random.Random(11)
 PROMPTS = [[rng.randrange(5, 1000) for _ in range(260)] for _ in range(3)]  # 16 full blocks each
 FULL_BLOCKS = len(PROMPTS[0]) // MLA_BLOCK
@@ -32,7 +36,7 @@ FULL_BLOCKS = len(PROMPTS[0]) // MLA_BLOCK
 
 @pytest.fixture(scope="module")
 def mla_model() -> Path:
-    from asyncconn.tools.tiny_models import build_model
+    from asyncconn_tools.tiny_models import build_model
 
     return build_model("mla")
 
@@ -68,7 +72,7 @@ def run_prompts(llm: Any) -> tuple[list[list[int]], list[dict[str, torch.Tensor]
 
 @pytest.fixture(scope="module")
 def mla_reference(mla_model: Path) -> Iterator[dict[str, Any]]:
-    llm = make_llm(mla_model)
+    llm = make_llm(mla_model, **CPU_MLA)
     try:
         tokens, kv = run_prompts(llm)
         assert len({tuple(t) for t in tokens}) == len(PROMPTS)  # the tokens depend on the context
@@ -81,7 +85,7 @@ def test_an_mla_models_latent_kv_is_saved_and_loaded_byte_exact(
     mla_model: Path, mla_reference: dict[str, Any], engines: list[Any], tmp_path: Path
 ) -> None:
     url = f"file://{tmp_path / 'store'}"
-    first = make_llm(mla_model, kv=kv_config(backend_url=url))
+    first = make_llm(mla_model, kv=kv_config(backend_url=url), **CPU_MLA)
     engines.append(first)
     # one prompt at a time, as the reference ran (a batched prefill on vLLM's CPU MLA kernels gives other
     # tokens)
@@ -92,7 +96,7 @@ def test_an_mla_models_latent_kv_is_saved_and_loaded_byte_exact(
     close_llm(first)
     engines.remove(first)
 
-    second = make_llm(mla_model, kv=kv_config(backend_url=url))
+    second = make_llm(mla_model, kv=kv_config(backend_url=url), **CPU_MLA)
     engines.append(second)
     probe = Probe(second)
     tokens, kv = run_prompts(second)

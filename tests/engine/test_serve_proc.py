@@ -1,4 +1,4 @@
-"""The ``/proc`` readings the SIGTERM test relies on (:mod:`asyncconn.tools.openai_server`), checked on a
+"""The ``/proc`` readings the SIGTERM test relies on (:mod:`asyncconn_tools.openai_server`), checked on a
 plain process tree, without vLLM: if they saw nothing, "nothing left behind" would pass vacuously."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from asyncconn.tools.openai_server import alive, descendants, listening_ports, shm_entries
+from asyncconn_tools.openai_server import alive, descendants, listening_ports, shm_entries
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs Linux /proc")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from asyncconn.tools.openai_server import OpenAIServer, alive, listening_ports, shm_entries
+from asyncconn_tools.openai_server import OpenAIServer, alive, listening_ports, shm_entries
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

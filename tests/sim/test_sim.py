@@ -12,9 +12,9 @@ import vllm  # noqa: F401  (installed by the README's test command: missing must
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
-from asyncconn.exceptions import SimulationError
-from asyncconn.sim.engine import ConnectorSpec, MMItem, SimShape, embedding_for
-from asyncconn.sim.runner import GatheredRows, ScheduledRows, StepPlan, WorkerStepResult
+from asyncconn_tools.sim import SimulationError
+from asyncconn_tools.sim.engine import ConnectorSpec, MMItem, SimShape, embedding_for
+from asyncconn_tools.sim.runner import GatheredRows, ScheduledRows, StepPlan, WorkerStepResult
 
 pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
 
@@ -421,7 +421,7 @@ class SimAsyncLoadKV(KVConnectorBase_V1):
         return meta
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        from asyncconn.sim.engine import kv_values
+        from asyncconn_tools.sim.engine import kv_values
 
         meta = self._get_connector_metadata()
         assert isinstance(meta, _LoadMetadata)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from asyncconn.cli.main import main
-from asyncconn.tools.chaos import ChaosConfig, run_chaos
-from asyncconn.tools.chaos.faults import DATA_FAULTS, SERVER_FAULTS
+from asyncconn_tools.chaos import ChaosConfig, run_chaos
+from asyncconn_tools.chaos.faults import DATA_FAULTS, SERVER_FAULTS
 
 # vLLM's real scheduler (the offline engine), a real redis-server and lookup server.
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.interface]  # the simulator: no model runner
@@ -37,14 +37,14 @@ def test_every_invariant_holds_under_every_kind_of_fault() -> None:
 
 def test_wrong_kv_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sabotage: every loaded KV value is off by one. The harness must report it, not pass."""
-    from asyncconn.vllm.kv import worker as kv_worker
+    from asyncconn.vllm.kv.layout import CacheLayout
 
-    scatter = kv_worker.KVWorkerSide._scatter
+    scatter = CacheLayout.scatter
 
     def off_by_one(self: Any, value: torch.Tensor, ref: Any) -> None:
         scatter(self, value + 1, ref)
 
-    monkeypatch.setattr(kv_worker.KVWorkerSide, "_scatter", off_by_one)
+    monkeypatch.setattr(CacheLayout, "scatter", off_by_one)
     report = run_chaos(ChaosConfig(duration=6.0, seed=3, faults=()))
     assert report.kv_requests_loaded > 0
     assert any("KV of" in v for v in report.violations), report.violations[:3]
@@ -102,7 +102,7 @@ def test_a_lookup_server_that_exits_is_restarted_like_a_supervisor_would() -> No
     import random
     import time
 
-    from asyncconn.tools.chaos.faults import FaultInjector, _Active
+    from asyncconn_tools.chaos.faults import FaultInjector, _Active
 
     class FakeLookup:
         def __init__(self) -> None:
@@ -149,7 +149,7 @@ def test_heal_all_closes_the_control_connection_of_slow_bursts(fresh_redis: Any)
 
     import redis
 
-    from asyncconn.tools.chaos.faults import FaultInjector
+    from asyncconn_tools.chaos.faults import FaultInjector
 
     injector = FaultInjector(
         rng=random.Random(1),

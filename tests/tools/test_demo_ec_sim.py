@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
-from asyncconn.cli import demo
 from asyncconn.cli.main import main
+from asyncconn_tools.cli import demo
 
 
 @pytest.mark.interface  # the simulator parts only: also run on vLLM 0.33 (scripts/lane-vllm033.sh)
@@ -68,7 +68,7 @@ def test_bad_usage_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.interface  # the simulator parts only: also run on vLLM 0.33 (scripts/lane-vllm033.sh)
 def test_bench_measures_calls_and_steps(tmp_path: Path) -> None:
-    from asyncconn.tools.bench.ec_sim import run_ec_bench
+    from asyncconn_tools.bench.ec_sim import run_ec_bench
 
     summary = run_ec_bench(f"file://{tmp_path / 'store'}", tmp_path, rounds=1)
     figures = summary["figures"]

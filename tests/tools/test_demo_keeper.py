@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncconn.tools.demo.keeper import _without_segment, kept_store
+from asyncconn_tools.demo.keeper import _without_segment, kept_store
 
 
 def test_a_mooncake_url_loses_its_segment_and_keeps_every_other_parameter() -> None:

@@ -8,7 +8,7 @@ import pytest
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.exceptions import ConfigError
-from asyncconn.tools.demo.kv_sim import run_kv_demo
+from asyncconn_tools.demo.kv_sim import run_kv_demo
 from tests.vllm.kv.test_support import store_url
 
 pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too

@@ -12,8 +12,8 @@ import torch
 import vllm  # noqa: F401  (installed by the README's test command: missing must fail, not skip)
 
 from asyncconn.runtime import get_runtime
-from asyncconn.sim.engine import ConnectorSpec, MMItem, SimShape, embedding_for
 from asyncconn.store import TensorStore
+from asyncconn_tools.sim.engine import ConnectorSpec, MMItem, SimShape, embedding_for
 
 pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
 

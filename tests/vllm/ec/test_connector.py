@@ -1,4 +1,4 @@
-"""AsyncConnECConnector against vLLM 0.32's real scheduler (through :mod:`asyncconn.sim.engine`).
+"""AsyncConnECConnector against vLLM 0.32's real scheduler (through :mod:`asyncconn_tools.sim.engine`).
 
 Every scenario ends with the engine's leak check and the connector's own counters back to zero: no
 requests, no lookups, no prefetches staged or loading, no pending futures or staging buffers.
@@ -21,11 +21,11 @@ import vllm  # noqa: F401  (installed by the README's test command: missing must
 from asyncconn.backend import open_backend
 from asyncconn.exceptions import ConfigError, RuntimeStateError
 from asyncconn.runtime import get_runtime
-from asyncconn.sim.engine import ConnectorSpec, EngineSim, MMItem, SimShape, embedding_for
 from asyncconn.store import TensorStore
 from asyncconn.url import parse_url
 from asyncconn.vllm.ec.metadata import SAVING_PARAM
 from asyncconn.vllm.ec.scheduler import ItemState
+from asyncconn_tools.sim.engine import ConnectorSpec, EngineSim, MMItem, SimShape, embedding_for
 
 pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
 
@@ -123,7 +123,7 @@ def run_hooks_on_empty_steps(sim: EngineSim) -> EngineSim:
     returns before them, so by default an idle engine never moves a prefetch."""
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from asyncconn.sim.runner import StepPlan, WorkerStepResult
+    from asyncconn_tools.sim.runner import StepPlan, WorkerStepResult
 
     for worker in sim.workers:
         original = worker.execute
