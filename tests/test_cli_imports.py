@@ -1,8 +1,9 @@
 """What the ``asyncconn`` command imports: only the command being run.
 
-``asyncconn --help`` prints from the command table and ``check`` needs neither vLLM nor the tools (it used
-to import every command, torch and vLLM's engine tools: ~3 s for a help text). ``bench``, ``chaos`` and
-``demo`` are the ``asyncconn-tools`` package's; without it they exit 2 with one line naming what to install.
+``asyncconn --help`` prints from the command table, and ``check`` needs neither torch, vLLM nor the tools
+(the command used to import every command, torch and vLLM's engine tools: seconds for a help text).
+``bench``, ``chaos`` and ``demo`` are the ``asyncconn-tools`` package's; without it they exit 2 with one
+line naming what to install.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def test_help_imports_neither_torch_nor_vllm_nor_the_tools(argv: tuple[str, ...]
     assert not {"torch", "vllm", "transformers", "asyncconn_tools"} & _tops(modules), sorted(_tops(modules))
     if argv == ("--help",):
         assert all(name in out for name in COMMANDS)  # every command listed, from the table
+
+
+def test_check_round_trips_a_store_without_torch_or_vllm(tmp_path: Path) -> None:
+    """``asyncconn check`` itself (not only its help): the round trip goes to the backend as bytes."""
+    code, modules, out = _run("check", f"file://{tmp_path / 'store'}")
+    assert code == 0 and ": ok connect=" in out, out
+    assert not {"torch", "vllm", "transformers", "asyncconn_tools"} & _tops(modules), sorted(_tops(modules))
 
 
 def test_lookup_server_help_imports_neither_vllm_nor_the_tools() -> None:
