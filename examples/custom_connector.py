@@ -29,7 +29,7 @@ from asyncconn.config import Settings
 from asyncconn.lookup import EXISTS, LookupConfig, open_lookup_client, store_key
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import NewTensor, SaveTracker, StreamLoader
+from asyncconn.transfer import SaveTracker, StreamLoader, TensorSpec
 
 
 @dataclass
@@ -90,7 +90,7 @@ class LibraryECConnector(ECConnectorBase):  # type: ignore[misc]
         for mm_hash, rows in orders.items:
             if mm_hash not in encoder_cache:
                 key = store_key(self.settings.key_prefix, mm_hash)
-                self.loader.submit(key, NewTensor(max_nbytes=rows * self.settings.ec_max_row_bytes))
+                self.loader.submit(key, TensorSpec(max_nbytes=rows * self.settings.ec_max_row_bytes))
                 wanted[key] = mm_hash
         deadline = time.monotonic() + self.settings.load_timeout
         while wanted and time.monotonic() < deadline:
@@ -109,7 +109,7 @@ class LibraryECConnector(ECConnectorBase):  # type: ignore[misc]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.saver is not None:
             self.saver.flush()  # hand this step's saves to the loop; they finish in the background
-            self.saver.poll_finished()
+            self.saver.poll()
         return None, None
 
     def shutdown(self) -> None:

@@ -299,7 +299,7 @@ def test_pipelined_client_over_curve(rt: Runtime) -> None:
             client.submit(f"r{i}", HASHES[: i % 4 + 1])
         wait_until(lambda: client.metrics.completed == 50)
         assert [client.poll(f"r{i}") for i in range(50)] == [i % 4 + 1 for i in range(50)]
-        assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+        assert client.held() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     finally:
         client.close()
         rt.run(srv.close())

@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import Generic, TypeVar, cast
 
+from asyncconn._deprecated import renamed_method
 from asyncconn.exceptions import AsyncConnError, ConfigError, LoopThreadBlocked, RuntimeClosed
 from asyncconn.lookup.metrics import LookupMetrics
 from asyncconn.lookup.protocol import Key, Kind
@@ -260,7 +261,9 @@ class LookupClient(Generic[R]):
         reach = getattr(getattr(self._transport, "_store", None), "reachability", None)
         return reach if isinstance(reach, Reachability) else None
 
-    def counters(self) -> dict[str, int]:
+    counters = renamed_method("counters", "held")  # the old name, deprecated (docs/transfer.md)
+
+    def held(self) -> dict[str, int]:
         """Sizes of every internal structure (tests check that they come back to zero)."""
         return {
             "entries": len(self._entries),

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
+from asyncconn._deprecated import renamed_method
 from asyncconn.exceptions import AsyncConnError, ConfigError, LookupProtocolError
 from asyncconn.lookup import curve as curve_keys
 from asyncconn.lookup import protocol
@@ -341,7 +342,7 @@ class LookupServer:
         from asyncconn.lookup.exporter import LookupServerCollector, MetricsEndpoint
 
         registry = CollectorRegistry()  # private: only this server's series, nothing process-wide
-        registry.register(LookupServerCollector(self.stats.as_dict, self.counters))
+        registry.register(LookupServerCollector(self.stats.as_dict, self.held))
         self._metrics = MetricsEndpoint(registry)
         return await self._metrics.start(self.metrics_host, self.metrics_port)
 
@@ -349,7 +350,9 @@ class LookupServer:
         """Batches being answered right now (tests count it back to zero)."""
         return len(self._tasks)
 
-    def counters(self) -> dict[str, int]:
+    counters = renamed_method("counters", "held")  # the old name, deprecated (docs/transfer.md)
+
+    def held(self) -> dict[str, int]:
         """What the server holds now: request bytes, keys in the store, clients, queued requests."""
         return {
             "bytes": self._held_bytes,

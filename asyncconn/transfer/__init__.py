@@ -7,6 +7,9 @@ the save tracker's on its copy thread (the CPU's "side stream").
 
 from __future__ import annotations
 
+from typing import Any
+
+from asyncconn._deprecated import renamed_attribute
 from asyncconn.store import Scattered
 from asyncconn.transfer._device import (
     LOAD_PRIORITY,
@@ -17,7 +20,7 @@ from asyncconn.transfer._device import (
     default_device,
     engine_devices,
 )
-from asyncconn.transfer.dest import NewTensor
+from asyncconn.transfer.dest import TensorSpec
 from asyncconn.transfer.failures import Failure
 from asyncconn.transfer.lazy import LazyTensor, Pieces, Shared, Slice
 from asyncconn.transfer.loader import LoadResult, StreamLoader
@@ -32,7 +35,6 @@ __all__ = [
     "Failure",
     "LazyTensor",
     "LoadResult",
-    "NewTensor",
     "Pieces",
     "PinnedBuffer",
     "PinnedPool",
@@ -42,7 +44,13 @@ __all__ = [
     "ShutdownReport",
     "Slice",
     "StreamLoader",
+    "TensorSpec",
     "TransferDevice",
     "default_device",
     "engine_devices",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Old names, kept for one release: they warn (docs/transfer.md, "Deprecated names")."""
+    return renamed_attribute(__name__, {"NewTensor": ("TensorSpec", TensorSpec)}, name)

@@ -54,6 +54,7 @@ from typing import TypeVar
 
 import torch
 
+from asyncconn._deprecated import renamed_method
 from asyncconn.exceptions import DuplicateTransfer, PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import Fetch, Scattered, TensorStore
@@ -64,7 +65,7 @@ from asyncconn.transfer._device import (
     default_device,
     single_thread_torch,
 )
-from asyncconn.transfer.dest import NewTensor
+from asyncconn.transfer.dest import TensorSpec
 from asyncconn.transfer.failures import Failure, classify
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 
@@ -133,7 +134,7 @@ class _Load:
         "task",
     )
 
-    def __init__(self, key: str, dest: NewTensor | Scattered) -> None:
+    def __init__(self, key: str, dest: TensorSpec | Scattered) -> None:
         self.key = key
         self.dest = dest
         self.state = _QUEUED
@@ -206,7 +207,7 @@ class StreamLoader:
         self.failures: collections.Counter[Failure] = collections.Counter()
 
     # -- public API ------------------------------------------------------------------------------------
-    def submit(self, key: str, dest: NewTensor | Scattered) -> None:
+    def submit(self, key: str, dest: TensorSpec | Scattered) -> None:
         """Start loading ``key`` into ``dest``; its result comes back from a later :meth:`poll`.
 
         Raises :class:`DuplicateTransfer` if ``key`` is already loading (cancel it first), and
@@ -214,7 +215,7 @@ class StreamLoader:
         """
         self.submit_many([(key, dest)])
 
-    def submit_many(self, items: Iterable[tuple[str, NewTensor | Scattered]]) -> None:
+    def submit_many(self, items: Iterable[tuple[str, TensorSpec | Scattered]]) -> None:
         """Submit several loads with one hand-off to the loop (one wake-up for a whole step's loads).
 
         All-or-nothing: every item is checked before any is queued.
@@ -231,8 +232,8 @@ class StreamLoader:
                     raise TransferError(
                         "an in-place (Scattered) load needs a host device (the memory is the destination)"
                     )
-            elif not isinstance(dest, NewTensor):
-                raise TransferError(f"dest must be a NewTensor or Scattered, not {type(dest).__name__}")
+            elif not isinstance(dest, TensorSpec):
+                raise TransferError(f"dest must be a TensorSpec or Scattered, not {type(dest).__name__}")
             keys.add(key)
             loads.append(_Load(key, dest))
         for load in loads:
@@ -348,8 +349,8 @@ class StreamLoader:
             return 0.0
         return max(now - load.started_at, 0.0)
 
-    def counters(self) -> dict[str, int]:
-        """Resources held right now; all are 0 when the loader is idle and fully polled."""
+    def held(self) -> dict[str, int]:
+        """Resources held right now (gauges); all are 0 when the loader is idle and fully polled."""
         return {
             "queued": len(self._queued),
             "buffers_out": self.buffers_out,
@@ -357,7 +358,8 @@ class StreamLoader:
             "futures_pending": self.futures_pending,
         }
 
-    def stats(self) -> dict[str, int]:
+    def totals(self) -> dict[str, int]:
+        """Running totals since start (they only grow): loads, bytes, cancels, failures by reason."""
         out = {
             "loaded": self.loaded,
             "loaded_in_place": self.loaded_in_place,
@@ -367,6 +369,10 @@ class StreamLoader:
         }
         out.update({f"failed_{reason.value}": n for reason, n in self.failures.items()})
         return out
+
+    # Old names (deprecated, docs/transfer.md): they warn and call the new ones.
+    counters = renamed_method("counters", "held")
+    stats = renamed_method("stats", "totals")
 
     def close(self, timeout: float = 5.0) -> None:
         """Cancel everything and wait (up to ``timeout``) until every buffer is back. Idempotent."""
@@ -532,7 +538,7 @@ class StreamLoader:
         self._release(load)
         load.state = _DONE
         out, load.out = load.out, None
-        if out is not None:  # the value's bytes, not the staging bound a NewTensor(max_nbytes) asked for
+        if out is not None:  # the value's bytes, not the staging bound a TensorSpec(max_nbytes) asked for
             nbytes = out.numel() * out.element_size()
         if load.cancelled:
             return
@@ -713,7 +719,7 @@ class StreamLoader:
             return await self._why_not(key, "")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > buf.nbytes:
-            detail = f"value is {nbytes} bytes, NewTensor.max_nbytes is {buf.nbytes}"
+            detail = f"value is {nbytes} bytes, TensorSpec.max_nbytes is {buf.nbytes}"
             return _Fetched(Failure.TOO_LARGE, detail)
         if nbytes:
             buf.storage[:nbytes].copy_(tensor.reshape(-1).view(torch.uint8))

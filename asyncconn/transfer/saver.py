@@ -22,11 +22,11 @@ only checks duplicates and counts; the step's accepted values get *one* staging 
 each), and the copy thread makes their save objects -- and, given ``name``, their store keys -- while it runs
 the job. Those objects are new to the worker when the job is reported, so every counter keeps one owner.
 
-``poll_finished``, ``pending`` and ``wait`` flush first. The KV adapter calls ``flush()`` from
+``poll``, ``pending`` and ``wait`` flush first. The KV adapter calls ``flush()`` from
 ``wait_for_save()``, at the end of the step's saves. Waking the loop once per save would hand the GIL to the
 loop thread in the middle of the worker's kernel launches, which is what makes a submit's tail slow.
 
-A request is reported by :meth:`SaveTracker.poll_finished` once all of its saves are done, whether they
+A request is reported by :meth:`SaveTracker.poll` once all of its saves are done, whether they
 succeeded or failed (failures are counted and logged: a failed save is a future miss, never a hung request),
 and then every trace of it is dropped. :meth:`SaveTracker.wait` blocks for given requests only (preemption).
 
@@ -77,6 +77,7 @@ from typing import Any, cast
 
 import torch
 
+from asyncconn._deprecated import renamed_method
 from asyncconn.exceptions import PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import TensorStore
@@ -374,7 +375,7 @@ class SaveTracker:
 
         With a copy thread: one job posted (nothing when nothing new was staged), no loop wake-up here.
         Otherwise: every snapshotted save to the loop, one wake-up per ``put_batch`` saves. Completed puts
-        are processed (buffers returned, requests counted) by ``poll_finished``.
+        are processed (buffers returned, requests counted) by ``poll``.
         """
         self._handoff()
 
@@ -384,7 +385,7 @@ class SaveTracker:
         request = self._requests.get(request_id)
         return request.pending if request is not None else 0
 
-    def poll_finished(self) -> set[str]:
+    def poll(self) -> set[str]:
         """Request ids whose saves are all done (ok or failed) since the last call; then forgotten."""
         self._progress()
         return self._report(self._finished) if self._finished else set()
@@ -392,8 +393,8 @@ class SaveTracker:
     def wait(self, request_ids: Iterable[str], timeout: float) -> set[str]:
         """Block until the saves of ``request_ids`` are done or ``timeout`` passes (preemption only).
 
-        Returns the ids that finished; those are forgotten (not reported again by :meth:`poll_finished`).
-        The others keep saving and are reported by a later :meth:`poll_finished`.
+        Returns the ids that finished; those are forgotten (not reported again by :meth:`poll`).
+        The others keep saving and are reported by a later :meth:`poll`.
         """
         wanted = {r for r in request_ids if r in self._requests}
         deadline = time.monotonic() + timeout
@@ -443,8 +444,8 @@ class SaveTracker:
             time.sleep(0.0005)
         return True
 
-    def counters(self) -> dict[str, int]:
-        """Resources and state held right now; all 0 once every request is reported."""
+    def held(self) -> dict[str, int]:
+        """Resources and state held right now (gauges); all 0 once every request is reported."""
         return {
             "requests": len(self._requests),
             "queued": len(self._queued),
@@ -455,7 +456,8 @@ class SaveTracker:
             "inflight_keys": len(self._inflight_keys),
         }
 
-    def stats(self) -> dict[str, int]:
+    def totals(self) -> dict[str, int]:
+        """Running totals since start (they only grow): saves, bytes, skips, failures by reason."""
         out = {
             "saved": self.saved,
             "saved_bytes": self.saved_bytes,
@@ -465,6 +467,11 @@ class SaveTracker:
         }
         out.update({f"failed_{reason.value}": n for reason, n in self.failures.items()})
         return out
+
+    # Old names (deprecated, docs/transfer.md): they warn and call the new ones.
+    counters = renamed_method("counters", "held")
+    stats = renamed_method("stats", "totals")
+    poll_finished = renamed_method("poll_finished", "poll")
 
     def close(self, timeout: float = 5.0) -> ShutdownReport:
         """Let running saves finish for up to ``timeout``, then cancel the rest and return their buffers.

@@ -44,6 +44,7 @@ from redis.asyncio.connection import (
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from asyncconn._deprecated import renamed_method
 from asyncconn.backend import Buffer, Sink, StorageBackend, Value, checked_dests, checked_items, checked_keys
 from asyncconn.exceptions import AsyncConnError, BackendError, BackendTimeout, BackendUnavailable, ConfigError
 from asyncconn.runtime import fork_generation, forked_error, keep_inherited
@@ -533,7 +534,9 @@ class RedisBackend(StorageBackend):
         await self._pool.disconnect()
 
     # -- introspection (tests count these back to zero) ------------------------------------------------
-    def counters(self) -> dict[str, int]:
+    counters = renamed_method("counters", "held")  # the old name, deprecated (docs/transfer.md)
+
+    def held(self) -> dict[str, int]:
         """Connections held now: ``connected`` (pooled ones holding an open socket) and ``in_use`` (lent out).
 
         Tests count both back to zero; redis-py's public ``get_connection_count`` also counts connection
@@ -543,7 +546,7 @@ class RedisBackend(StorageBackend):
         every = [*pool._available_connections, *pool._in_use_connections]
         out = {"connected": sum(c.is_connected for c in every), "in_use": len(pool._in_use_connections)}
         if self._reader is not None:
-            raw = self._reader.counters()
+            raw = self._reader.held()
             out = {k: v + raw[k] for k, v in out.items()}
         return out
 

@@ -153,10 +153,10 @@ class _NodeReaders(ChunkReader):
         for reader in self._nodes.values():
             await reader.close()
 
-    def counters(self) -> dict[str, int]:
+    def held(self) -> dict[str, int]:
         out = {"connected": 0, "in_use": 0}
         for reader in self._nodes.values():
-            for k, v in reader.counters().items():
+            for k, v in reader.held().items():
                 out[k] += v
         return out
 
@@ -270,7 +270,7 @@ class RedisClusterBackend(RedisBackend):
         with contextlib.suppress(rexc.RedisError, OSError):
             await self._cluster.aclose()
 
-    def counters(self) -> dict[str, int]:
+    def held(self) -> dict[str, int]:
         """``connected`` and ``in_use`` over every node's pool and raw reader (tests count both to zero)."""
         connected = in_use = 0
         for node in self._cluster.get_nodes():
@@ -279,6 +279,6 @@ class RedisClusterBackend(RedisBackend):
             in_use += node_in_use
         out = {"connected": connected, "in_use": in_use}
         if self._reader is not None:
-            raw = self._reader.counters()
+            raw = self._reader.held()
             out = {k: v + raw[k] for k, v in out.items()}
         return out

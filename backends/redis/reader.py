@@ -433,7 +433,7 @@ class ChunkReader:
             _close(proto)
         self._idle.clear()
 
-    def counters(self) -> dict[str, int]:
+    def held(self) -> dict[str, int]:
         """Connections held now: ``connected`` (an open socket) and ``in_use`` (lent out), as for the pool."""
         every = [*self._idle, *self._in_use]
         return {"connected": sum(not p.lost for p in every), "in_use": len(self._in_use)}

@@ -185,7 +185,7 @@ async def test_get_into_lands_chunks_in_the_destination(
             assert torch.equal(out, value)
         assert copies == (0 if direct else 2)
         assert reader.stats.hits == 2 and reader.stats.corrupt == 0
-        assert reader_backend.counters()["in_use"] == 0
+        assert reader_backend.held()["in_use"] == 0
     finally:
         await writer.delete(["k"])
         await writer.close()
@@ -210,7 +210,7 @@ async def test_get_into_inline_absent_and_wrong_size(redis_server: RedisServer, 
             assert not wrong.any()
         out = torch.empty_like(big)
         assert await store.read_into("big", out) is Fetch.HIT and torch.equal(out, big)
-        assert store.stats.corrupt == 2 and backend.counters()["in_use"] == 0
+        assert store.stats.corrupt == 2 and backend.held()["in_use"] == 0
     finally:
         await store.delete(["small", "big"])
         await store.close()
@@ -443,7 +443,7 @@ def test_round_trip_on_the_runtime_loop(redis_server: RedisServer, runtime: Runt
             await store.delete(["big", "small"])
             backend = store.backend
             assert isinstance(backend, RedisBackend)
-            return got, backend.counters()
+            return got, backend.held()
         finally:
             await store.close()
 
@@ -471,7 +471,7 @@ async def test_writers_taking_turns_leave_one_key(
         (got,) = await one.get(["k"])
         assert got is not None and b"".join(got) == last
         assert await one.delete(["k"]) == 1 and await raw.keys(f"turns-{fast_read}:*") == []
-        assert one.counters()["in_use"] == 0
+        assert one.held()["in_use"] == 0
     finally:
         await one.close()
         await two.close()
@@ -488,7 +488,7 @@ async def test_chunked_write_over_a_large_foreign_value(
         for _ in range(2):
             await backend.put([("k", value)])
         assert backend._reader is not None  # one connection, kept: not torn down
-        assert backend._reader.counters() == {"connected": 1, "in_use": 0}
+        assert backend._reader.held() == {"connected": 1, "in_use": 0}
         (got,) = await backend.get(["k"])
         assert got is not None and b"".join(got) == value
     finally:

@@ -83,7 +83,7 @@ async def test_batches_spanning_every_node(cluster_backend: RedisClusterBackend)
     assert [bytes(g[0]) if g else None for g in got] == [v for _, v in items]
     assert await cluster_backend.delete([k for k, _ in items[:100]] + ["nope"]) == 100
     assert await cluster_backend.exists([k for k, _ in items[98:102]]) == [False, False, True, True]
-    assert cluster_backend.counters()["in_use"] == 0
+    assert cluster_backend.held()["in_use"] == 0
 
 
 async def test_tensor_store_on_the_cluster(cluster_backend: RedisClusterBackend) -> None:
@@ -170,10 +170,10 @@ async def test_node_killed_mid_batch_then_restarted(private_cluster: RedisCluste
         await store.put([("x0", tensors["x0"])])
         (again,) = await store.get(["x0"])
         assert again is not None and torch.equal(again, tensors["x0"])
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
     finally:
         await backend.close()
-    assert backend.counters() == {"connected": 0, "in_use": 0}
+    assert backend.held() == {"connected": 0, "in_use": 0}
 
 
 async def test_a_stale_slot_map_is_followed_by_writes_and_direct_reads(
@@ -209,4 +209,4 @@ async def test_a_stale_slot_map_is_followed_by_writes_and_direct_reads(
     dest = bytearray(len(value))
     assert await cluster_backend.get_into("moved", [memoryview(dest)]) == len(value)
     assert dest == value
-    assert cluster_backend.counters()["in_use"] == 0
+    assert cluster_backend.held()["in_use"] == 0

@@ -176,7 +176,7 @@ async def test_server_killed_mid_batch_then_restarted(fresh_redis: RedisServer, 
                 await job
         with pytest.raises(BackendUnavailable):
             await store.exists(["k0"])
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
 
         fresh_redis.start()  # same port, empty: the pool's dead sockets must be replaced
         assert await store.get(["k0"]) == [None]
@@ -184,10 +184,10 @@ async def test_server_killed_mid_batch_then_restarted(fresh_redis: RedisServer, 
         got = await store.get(["k0", "k2"])
         assert got[0] is not None and torch.equal(got[0], batch[0][1])
         assert got[1] is not None and torch.equal(got[1], batch[2][1])
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
     finally:
         await store.close()
-    assert backend.counters() == {"connected": 0, "in_use": 0}
+    assert backend.held() == {"connected": 0, "in_use": 0}
     assert _tasks() == tasks_before
 
 
@@ -210,11 +210,11 @@ async def test_paused_server_times_out_then_recovers(fresh_redis: RedisServer, f
             await store.put([("k2", value)])
         with pytest.raises(BackendTimeout):
             await store.delete(["k"])
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
         fresh_redis.resume()
         (got,) = await store.get(["k"])
         assert got is not None and torch.equal(got, value)
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
     finally:
         fresh_redis.resume()
         await store.close()
@@ -233,7 +233,7 @@ async def test_cancelled_get_returns_its_connections(fresh_redis: RedisServer, f
         job.cancel()
         with pytest.raises(asyncio.CancelledError):
             await job
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
         fresh_redis.resume()
         assert (await store.get(["k"]))[0] is not None
     finally:
@@ -255,13 +255,13 @@ async def test_cancelled_get_into_returns_its_connections(fresh_redis: RedisServ
         job.cancel()
         with pytest.raises(asyncio.CancelledError):
             await job
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
         fresh_redis.resume()
         assert await store.get_into("k", out) and torch.equal(out, value)
     finally:
         fresh_redis.resume()
         await store.close()
-    assert backend.counters() == {"connected": 0, "in_use": 0}
+    assert backend.held() == {"connected": 0, "in_use": 0}
     assert _tasks() == tasks_before
 
 
@@ -392,7 +392,7 @@ async def test_chunks_lost_twice_is_a_miss(redis_server: RedisServer) -> None:
         await store.put([("k", torch.zeros(200))])
         backend._heads = heads_then_replace  # type: ignore[method-assign]
         assert await store.read_into("k", torch.empty(200)) is Fetch.MISS
-        assert store.stats.corrupt == 0 and backend.counters()["in_use"] == 0
+        assert store.stats.corrupt == 0 and backend.held()["in_use"] == 0
     finally:
         backend._heads = real_heads  # type: ignore[method-assign]
         await store.delete(["k"])
@@ -450,7 +450,7 @@ async def test_chunk_reader_rejects_bad_replies(reply: bytes, error: str) -> Non
     async with _served(reply) as reader:
         with pytest.raises(BackendError, match=error):
             await reader.mget(["a", "b"], 1000)
-        assert reader.counters() == {"connected": 0, "in_use": 0}
+        assert reader.held() == {"connected": 0, "in_use": 0}
 
 
 async def test_chunk_reader_parses_split_and_nil_replies() -> None:
@@ -458,8 +458,8 @@ async def test_chunk_reader_parses_split_and_nil_replies() -> None:
     async with _served(b"*3\r\n$-1\r\n$%d\r\n%s\r\n$0\r\n\r\n" % (len(body), body)) as reader:
         for _ in range(2):  # the second call reuses the pooled connection
             assert await reader.mget(["a", "b", "c"], len(body)) == [None, body, b""]
-        assert reader.counters() == {"connected": 1, "in_use": 0}
-    assert reader.counters() == {"connected": 0, "in_use": 0}
+        assert reader.held() == {"connected": 1, "in_use": 0}
+    assert reader.held() == {"connected": 0, "in_use": 0}
 
 
 async def test_chunk_reader_lands_replies_in_their_slots() -> None:
@@ -475,7 +475,7 @@ async def test_chunk_reader_lands_replies_in_their_slots() -> None:
         assert bytes(replies[2] or b"") == b"abcde" and slots[2] == bytearray(3)  # wrong length: own buffer
         with pytest.raises(ValueError, match="one slot per name"):
             await reader.mget_into(["a"], views, len(body))
-        assert reader.counters() == {"connected": 1, "in_use": 0}
+        assert reader.held() == {"connected": 1, "in_use": 0}
     finally:
         await reader.close()
         server.close()
@@ -502,7 +502,7 @@ async def test_chunk_reader_cancelled_mid_reply_closes_the_connection() -> None:
         with pytest.raises(asyncio.CancelledError):
             await job
         # a half-read reply cannot be resumed: the connection is gone
-        assert reader.counters() == {"connected": 0, "in_use": 0}
+        assert reader.held() == {"connected": 0, "in_use": 0}
         assert slot == b"x" * 40 + bytes(60)
     finally:
         release.set()
@@ -523,7 +523,7 @@ async def test_chunk_reader_server_closing_mid_reply_is_unavailable() -> None:
     try:
         with pytest.raises(BackendUnavailable, match="connection lost"):
             await reader.mget(["a", "b"], 10)
-        assert reader.counters() == {"connected": 0, "in_use": 0}
+        assert reader.held() == {"connected": 0, "in_use": 0}
     finally:
         await reader.close()
         server.close()
@@ -537,14 +537,14 @@ async def test_chunk_reader_execute_reads_past_oversized_replies() -> None:
         for _ in range(2):  # the connection stays usable: the big reply was read past, not left behind
             replies = await reader.execute([b"anything"], 3, 40)
             assert replies == [b"OK", b"QUEUED", SKIPPED, 3]
-        assert reader.counters() == {"connected": 1, "in_use": 0}
+        assert reader.held() == {"connected": 1, "in_use": 0}
 
 
 async def test_chunk_reader_execute_error_reply_closes_the_connection() -> None:
     async with _served(b"+OK\r\n-OOM command not allowed\r\n-EXECABORT discarded\r\n") as reader:
         with pytest.raises(ReplyError, match="OOM"):
             await reader.execute([b"MULTI", memoryview(b"...")], 3, 40)
-        assert reader.counters() == {"connected": 0, "in_use": 0}
+        assert reader.held() == {"connected": 0, "in_use": 0}
 
 
 async def test_write_to_a_server_dropping_the_connection_is_unavailable() -> None:
@@ -561,12 +561,12 @@ async def test_write_to_a_server_dropping_the_connection_is_unavailable() -> Non
     try:
         with pytest.raises(BackendUnavailable, match="put failed"):
             await backend.put([("k", os.urandom(1 << 20))])
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
     finally:
         await backend.close()
         server.close()
         await server.wait_closed()
-    assert backend.counters() == {"connected": 0, "in_use": 0}
+    assert backend.held() == {"connected": 0, "in_use": 0}
 
 
 async def test_write_cut_off_mid_send_leaves_the_old_value(fresh_redis: RedisServer) -> None:
@@ -585,7 +585,7 @@ async def test_write_cut_off_mid_send_leaves_the_old_value(fresh_redis: RedisSer
         fresh_redis.pause()
         with pytest.raises(BackendTimeout):
             await store.put([("k", new)])
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
         fresh_redis.resume()
         out = torch.empty_like(old)
         assert await patient.get_into("k", out) and torch.equal(out, old)
@@ -598,7 +598,7 @@ async def test_write_cut_off_mid_send_leaves_the_old_value(fresh_redis: RedisSer
         await raw.aclose()
         await store.close()
         await patient.close()
-    assert backend.counters() == {"connected": 0, "in_use": 0}
+    assert backend.held() == {"connected": 0, "in_use": 0}
     assert _tasks() == tasks_before
 
 
@@ -619,7 +619,7 @@ async def test_write_answered_with_a_nil_exec_is_a_backend_error() -> None:
     try:
         with pytest.raises(BackendError, match="unexpected reply"):
             await backend.put([("k", os.urandom(3000))])  # UNLINK and one HSET: two queued
-        assert backend.counters()["in_use"] == 0
+        assert backend.held()["in_use"] == 0
     finally:
         await backend.close()
         server.close()

@@ -37,9 +37,9 @@ def assert_idle(probe: Probe) -> None:
     probe.settle()
     worker = probe.kv_worker_connector()
     assert worker is not None
-    assert set(worker.worker_side.counters().values()) == {0}, worker.worker_side.counters()
+    assert set(worker.worker_side.held().values()) == {0}, worker.worker_side.held()
     scheduler = probe.kv_scheduler_connector()
-    assert set(scheduler.scheduler_side.counters().values()) == {0}, scheduler.scheduler_side.counters()
+    assert set(scheduler.scheduler_side.held().values()) == {0}, scheduler.scheduler_side.held()
     free, total = probe.free_blocks()
     assert free == total
 

@@ -86,12 +86,12 @@ def run(model: Path, role: str | None, url: str, params: list[Any] | None = None
             worker = probe.ec_worker_connector().worker_side
             worker.poll()
             deadline = time.monotonic() + 5  # corrupt values being removed (fire and forget)
-            while worker.counters()["deletes"] and time.monotonic() < deadline:
+            while worker.held()["deletes"] and time.monotonic() < deadline:
                 time.sleep(0.01)
-            out["scheduler_counters"] = scheduler.counters()
-            stats = scheduler.stats()
+            out["scheduler_counters"] = scheduler.held()
+            stats = scheduler.totals()
             out["released"] = stats["encode_stalled"] + stats["encode_budget"]
-            out["worker_counters"] = worker.counters()
+            out["worker_counters"] = worker.held()
             out["worker"] = worker
         return out
     finally:

@@ -195,7 +195,7 @@ def test_sync_loads_land_before_the_forward_of_the_step_that_schedules_the_reque
 
     def settled() -> None:
         settle()
-        events.append("loaded" if not worker.counters()["req_loads"] else "not loaded")
+        events.append("loaded" if not worker.held()["req_loads"] else "not loaded")
 
     monkeypatch.setattr(worker, "_settle_sync_loads", settled)
     record_forwards(probe, events, monkeypatch)

@@ -66,7 +66,7 @@ def test_aborts_while_a_lookup_a_load_or_a_save_is_in_flight(
             engine.step()
             time.sleep(0.01)
         assert status_of(probe, "lookup") == "WAITING"
-        assert probe.kv_scheduler_connector().scheduler_side.counters()["lookup_entries"] == 1
+        assert probe.kv_scheduler_connector().scheduler_side.held()["lookup_entries"] == 1
         engine.abort_request(["lookup"])
         engine.step()
     finally:
@@ -87,7 +87,7 @@ def test_aborts_while_a_lookup_a_load_or_a_save_is_in_flight(
         for _ in range(3):
             engine.step()
         worker = probe.kv_worker_connector().worker_side
-        assert worker.saver.counters()["requests"] > 0, "no save was in flight"
+        assert worker.saver.held()["requests"] > 0, "no save was in flight"
         engine.abort_request(["save"])
         engine.step()
     finally:
@@ -200,12 +200,12 @@ def test_an_abort_while_a_read_writes_the_blocks_in_place_holds_them_until_the_r
             engine.step()
             time.sleep(0.01)
         # Aborted, but its blocks are still being written: the worker keeps its load, vLLM its blocks.
-        assert worker.counters()["req_loads"] == 1 and internal_ids(probe, "held")
+        assert worker.held()["req_loads"] == 1 and internal_ids(probe, "held")
         # Another request (a prompt the store lacks, so it shares no read with the held one) runs and
         # finishes beside it.
         engine.add_request("beside", {"prompt_token_ids": [t + 1 for t in PROMPTS[2]]}, sampling())
         step_until(probe, lambda: status_of(probe, "beside") is None, "the other request to finish")
-        assert worker.counters()["req_loads"] == 1
+        assert worker.held()["req_loads"] == 1
     finally:
         release.set()
     step_until(probe, lambda: not internal_ids(probe, "held"), "the aborted request to be released")

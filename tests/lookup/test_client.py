@@ -43,7 +43,7 @@ def test_submit_poll_consumes_exactly_once(rt: Runtime) -> None:
     rt.run(fake.answer(wid))
     assert client.poll("r1") == 4
     assert client.poll("r1") is None  # consumed
-    assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+    assert client.held() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     snap = client.metrics.snapshot()
     assert (snap["submitted"], snap["completed"], snap["hits"], snap["keys_hit"]) == (1, 1, 1, 4)
     client.close()
@@ -85,7 +85,7 @@ def test_discard_before_the_loop_drains(rt: Runtime) -> None:
     client.discard("r")
     rt.run(noop())
     assert fake.sent == 0
-    assert client.counters()["inflight"] == 0
+    assert client.held()["inflight"] == 0
     client.close()
 
 
@@ -114,7 +114,7 @@ def test_timeout_resolves_as_miss_and_late_answer_is_dropped(rt: Runtime) -> Non
     rt.run(fake.answer_all())
     assert client.metrics.stale == 1
     assert client.poll("r") is None
-    assert client.counters()["inflight"] == 0
+    assert client.held()["inflight"] == 0
     client.close()
 
 
@@ -143,7 +143,7 @@ def test_sync_mode_returns_the_answer(rt: Runtime) -> None:
     t.start()
     assert client.lookup_sync("r", keys_for(4)) == 5
     t.join()
-    assert client.counters()["entries"] == 0
+    assert client.held()["entries"] == 0
     client.close()
 
 
@@ -176,7 +176,7 @@ def test_close_releases_everything_and_refuses_new_work(rt: Runtime) -> None:
     client.close()
     client.close()
     assert fake.closed
-    assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+    assert client.held() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     with pytest.raises(RuntimeClosed):
         client.submit("x", [b"k"])
 
@@ -186,11 +186,11 @@ def test_ten_thousand_outstanding_released_after_discard(rt: Runtime) -> None:
     for i in range(10_000):
         client.submit(f"r{i}", [b"a", b"b"])
     rt.run(noop())
-    assert client.counters()["inflight"] == 10_000
+    assert client.held()["inflight"] == 10_000
     for i in range(10_000):
         client.discard(f"r{i}")
     rt.run(noop())
-    assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+    assert client.held() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     rt.run(fake.answer_all())
     assert client.metrics.stale == 10_000
     client.close()
@@ -282,7 +282,7 @@ def test_no_stale_result_and_nothing_left_behind(rt: Runtime, ops: list[tuple[st
     rt.run(fake.answer_all())  # every late answer arrives after its request is gone
     for rid in RIDS:
         assert client.poll(rid) is None
-    assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+    assert client.held() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     assert not fake.pending
     client.close()
 

@@ -50,7 +50,7 @@ def test_memory_backend_prefix_and_exists(rt: Runtime) -> None:
     finally:
         kv.close()
         ec.close()
-    assert kv.counters()["transport"] == 0
+    assert kv.held()["transport"] == 0
 
 
 def test_store_failure_is_an_error_miss(rt: Runtime) -> None:
@@ -98,7 +98,7 @@ def test_real_redis_pipelined_exists(rt: Runtime, redis_server: RedisServer) -> 
         wait_until(lambda: kv.metrics.completed == 300)
         assert all(kv.poll(f"r{i}") == min(i % 7, 4) for i in range(300))
         assert ec.lookup_sync("e", ["mm-x", "mm-y"]) == (True, False)
-        assert kv.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+        assert kv.held() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     finally:
         kv.close()
         ec.close()
@@ -119,6 +119,6 @@ def test_paused_redis_times_out_to_misses_then_recovers(rt: Runtime, fresh_redis
         finally:
             fresh_redis.resume()
         wait_until(lambda: kv.lookup_sync(f"again-{uuid.uuid4().hex}", HASHES) == 2)
-        wait_until(lambda: kv.counters()["transport"] == 0)
+        wait_until(lambda: kv.held()["transport"] == 0)
     finally:
         kv.close()

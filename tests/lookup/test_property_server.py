@@ -122,8 +122,8 @@ def test_real_server_never_serves_a_stale_answer(
         for rid in RIDS:
             client.discard(rid)
         rt.run(noop())  # the loop has taken every discard notice
-        wait_until(lambda: client.counters()["inflight"] == 0 and server.busy() == 0)
-        assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+        wait_until(lambda: client.held()["inflight"] == 0 and server.busy() == 0)
+        assert client.held() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
         assert client.metrics.errors == 0 and client.metrics.timeouts == 0
     finally:
         client.close()

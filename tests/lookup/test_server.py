@@ -197,7 +197,7 @@ def test_pipelined_client_kv_and_ec(rt: Runtime, server: LookupServer) -> None:
         assert all(results[i] == min(i % 8 + 1, PRESENT) for i in range(200))
         assert ec.poll("e") == (True, False, True)
         assert ec.poll("v") == (True, False)
-        assert kv.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+        assert kv.held() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
         wait_until(lambda: server.busy() == 0)
     finally:
         kv.close()
@@ -252,11 +252,11 @@ def test_ten_thousand_outstanding_on_a_hung_server_released_after_discard(rt: Ru
         for i in range(10_000):
             client.submit(f"r{i}", HASHES[:4])
         wait_until(lambda: hung.pump() == 10_000)
-        assert client.counters()["inflight"] == 10_000
+        assert client.held()["inflight"] == 10_000
         for i in range(10_000):
             assert client.discard(f"r{i}")
-        wait_until(lambda: client.counters()["inflight"] == 0)
-        assert client.counters() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
+        wait_until(lambda: client.held()["inflight"] == 0)
+        assert client.held() == {"entries": 0, "queued": 0, "inflight": 0, "transport": 0}
     finally:
         client.close()
         hung.close()
@@ -288,7 +288,7 @@ def test_restarted_server_client_reconnects(rt: Runtime) -> None:
         srv = start_server(rt, bind=endpoint)
         # the DEALER reconnects by itself; lookups are answered again
         wait_until(lambda: client.lookup_sync(f"b{time.monotonic()}", HASHES) == PRESENT)
-        assert client.counters()["inflight"] == 0
+        assert client.held()["inflight"] == 0
     finally:
         client.close()
         rt.run(srv.close())

@@ -190,9 +190,7 @@ def test_a_batch_that_raises_gets_error_replies_not_silence(rt: Runtime, error: 
         server.store.exists = real  # type: ignore[method-assign]
         req.send_multipart(encode_mooncake_lookup(64, HASHES[:4]))
         assert req.recv() == _u32(64)
-        wait_until(
-            lambda: server.counters() == {"bytes": 0, "keys": 0, "clients": 0, "queued": 0, "batches": 0}
-        )
+        wait_until(lambda: server.held() == {"bytes": 0, "keys": 0, "clients": 0, "queued": 0, "batches": 0})
     finally:
         ctx.destroy(0)
         _stop(rt, server)
@@ -228,9 +226,7 @@ def test_past_max_bytes_the_heaviest_client_is_shed_and_the_light_one_is_served(
         assert server.peak_bytes <= 1 << 20
         assert server.peak_keys <= 8192 + 1024
         assert not flood.poll(100)  # no second reply to anything
-        wait_until(
-            lambda: server.counters() == {"bytes": 0, "keys": 0, "clients": 0, "queued": 0, "batches": 0}
-        )
+        wait_until(lambda: server.held() == {"bytes": 0, "keys": 0, "clients": 0, "queued": 0, "batches": 0})
     finally:
         ctx.destroy(0)
         _stop(rt, server)
@@ -244,7 +240,7 @@ def test_past_max_clients_a_new_client_gets_an_error_reply(rt: Runtime) -> None:
         first = _socket(ctx, zmq.REQ, server.endpoint)
         second = _socket(ctx, zmq.REQ, server.endpoint)
         first.send_multipart(encode_mooncake_lookup(64, HASHES[:4]))
-        wait_until(lambda: server.counters()["clients"] == 1)
+        wait_until(lambda: server.held()["clients"] == 1)
         second.send_multipart(encode_mooncake_lookup(64, HASHES[:4]))
         assert second.recv() == b"\x00"  # at once, while the first is still held
         assert first.recv() == _u32(64)

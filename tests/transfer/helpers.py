@@ -9,7 +9,7 @@ import torch
 
 from asyncconn.transfer import LoadResult, SaveTracker, StreamLoader
 
-#: ``SaveTracker.counters()`` once every request is reported: nothing held.
+#: ``SaveTracker.held()`` once every request is reported: nothing held.
 SAVER_IDLE = {
     "requests": 0,
     "queued": 0,
@@ -50,7 +50,7 @@ def drain_saves(tracker: SaveTracker, ids: Iterable[str]) -> set[str]:
     seen: set[str] = set()
 
     def step() -> bool:
-        seen.update(tracker.poll_finished())
+        seen.update(tracker.poll())
         return wanted <= seen
 
     wait_until(step, f"saves of {sorted(wanted)}")

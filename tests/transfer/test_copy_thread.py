@@ -113,7 +113,7 @@ def test_lazy_slices_are_gathered_once_on_the_copy_thread(runtime: Runtime) -> N
     for i, row in enumerate((5, 1, 3)):
         back = stored(runtime, store, f"k{i}")
         assert back is not None and torch.equal(back, cache[row : row + 1])
-    assert tracker.counters() == IDLE
+    assert tracker.held() == IDLE
     tracker.close()
 
 
@@ -142,7 +142,7 @@ def test_a_failure_inside_a_copy_fails_that_save_only(runtime: Runtime) -> None:
     assert tracker.failures[Failure.DEVICE_ERROR] == 2 and tracker.saved == 1
     assert tracker.requests_failed == 2
     assert stored(runtime, store, "good") is not None and stored(runtime, store, "bad") is None
-    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    assert tracker.held() == IDLE and tracker.pool.buffers_out == 0
     tracker.close()
 
 
@@ -156,7 +156,7 @@ def test_wait_snapshots_waits_for_the_pending_copy_of_a_preempted_request(runtim
     blocks = torch.full((2, 1024), 7.0)
     for i, value in enumerate(slices(held_gather(blocks, gate, started), 2, 1024)):
         tracker.submit("preempted", f"k{i}", value)  # no buffer: queued, yet gathered by the step's job
-    assert tracker.counters()["queued"] == 2
+    assert tracker.held()["queued"] == 2
     assert not tracker.wait_snapshots(["preempted"], timeout=0.0)  # posts the job; the gather is held
     assert started.wait(5)
     assert not tracker.wait_snapshots(["preempted"], timeout=0.01)
@@ -169,7 +169,7 @@ def test_wait_snapshots_waits_for_the_pending_copy_of_a_preempted_request(runtim
     for i in range(2):  # copied into staging later, from the gather taken before the blocks were reused
         back = stored(runtime, store, f"k{i}")
         assert back is not None and torch.equal(back, torch.full((1, 1024), 7.0))
-    assert tracker.counters() == IDLE
+    assert tracker.held() == IDLE
     tracker.close()
 
 
@@ -181,12 +181,12 @@ def test_close_lets_pending_copies_finish_then_joins_the_thread(runtime: Runtime
     tracker.flush()
     tracker.submit("r2", "k2", torch.full((4,), 2.0))
     tracker.flush()  # a second job, queued behind the held one
-    assert tracker.counters()["copy_jobs"] == 2
+    assert tracker.held()["copy_jobs"] == 2
     threading.Timer(0.05, gate.set).start()  # released while close() is waiting
     tracker.close(timeout=5.0)
     assert tracker.copy_thread is not None and not tracker.copy_thread.alive
     assert tracker.saved == 2 and not tracker.failures
-    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    assert tracker.held() == IDLE and tracker.pool.buffers_out == 0
     with pytest.raises(TransferError, match="closed"):
         tracker.submit("r3", "k3", torch.zeros(1))
 
@@ -200,7 +200,7 @@ def test_close_with_hung_puts_cancels_them_returns_buffers_and_joins(runtime: Ru
     assert backend.entered.wait(5)
     tracker.close(timeout=0.05)
     assert tracker.failures[Failure.STORE_ERROR] == 2
-    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    assert tracker.held() == IDLE and tracker.pool.buffers_out == 0
     assert tracker.copy_thread is not None and not tracker.copy_thread.alive
     runtime.call_soon(backend.gate.set)
 
@@ -258,7 +258,7 @@ def test_the_thread_runs_from_the_trackers_start_until_close(runtime: Runtime) -
     tracker = make_tracker(store, runtime)
     tracker.submit("r", "k", torch.ones(4))
     tracker.flush()
-    wait_until(lambda: bool(tracker.poll_finished()), "the save")
+    wait_until(lambda: bool(tracker.poll()), "the save")
     assert tracker.copy_thread is not None and tracker.copy_thread.alive
     names = {t.name for t in threading.enumerate()}
     assert "asyncconn-save-copy" in names
@@ -310,7 +310,7 @@ def test_submit_many_makes_no_save_and_gathers_nothing_on_the_callers_thread(run
     for i in range(3):
         back = stored(runtime, store, f"k{i}")
         assert back is not None and torch.equal(back, cache[i : i + 1])
-    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    assert tracker.held() == IDLE and tracker.pool.buffers_out == 0
     tracker.close()
 
 
@@ -341,7 +341,7 @@ def test_the_steps_staging_span_is_allocated_by_the_copy_thread(runtime: Runtime
     for i in range(3):
         back = stored(runtime, store, f"k{i}")
         assert back is not None and torch.equal(back, cache[i : i + 1])
-    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    assert tracker.held() == IDLE and tracker.pool.buffers_out == 0
     tracker.close()
 
 
@@ -358,11 +358,11 @@ def test_a_failing_gather_fails_every_piece_and_returns_the_shared_buffer(runtim
     assert drain_saves(tracker, {"r1", "r2"}) == {"r1", "r2"}
     assert tracker.failures[Failure.DEVICE_ERROR] == 2 and tracker.saved == 1 and tracker.requests_failed == 1
     assert stored(runtime, store, "c") is not None and stored(runtime, store, "a") is None
-    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    assert tracker.held() == IDLE and tracker.pool.buffers_out == 0
     # failed keys are not remembered: a later step saves them
     assert tracker.submit_many("r3", ["a"], slices_of(torch.ones(1, 4))) == 1
     drain_saves(tracker, {"r3"})
-    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    assert tracker.held() == IDLE and tracker.pool.buffers_out == 0
     tracker.close()
 
 
@@ -387,5 +387,5 @@ def test_wait_snapshots_covers_submit_many_and_close_joins(runtime: Runtime) -> 
     assert backend.entered.wait(5) and tracker.pending("preempted") == 2
     tracker.close(timeout=0.05)  # the puts hang: cancelled, the shared buffer returned
     assert tracker.failures[Failure.STORE_ERROR] == 2
-    assert tracker.counters() == IDLE and tracker.pool.buffers_out == 0
+    assert tracker.held() == IDLE and tracker.pool.buffers_out == 0
     runtime.call_soon(backend.gate.set)

@@ -13,7 +13,7 @@ from asyncconn_backends.memory import MemoryBackend
 
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import CudaDevice, NewTensor, PinnedPool, SaveTracker, StreamLoader
+from asyncconn.transfer import CudaDevice, PinnedPool, SaveTracker, StreamLoader, TensorSpec
 from tests.transfer.helpers import drain_loads, drain_saves, same_bytes, wait_until
 
 pytestmark = [
@@ -64,7 +64,7 @@ def test_loaded_tensors_equal_stored_bytes_under_default_stream_work(
     for _round in range(4):
         busy = busy_default_stream()
         for key in values:
-            loader.submit(key, NewTensor((256, 1024), torch.bfloat16))
+            loader.submit(key, TensorSpec((256, 1024), torch.bfloat16))
         results = drain_loads(loader, len(values))
         # Use the results on the default stream while more work is queued, then free half of them and let
         # the allocator hand their memory out again before the other half is checked.
@@ -81,7 +81,7 @@ def test_loaded_tensors_equal_stored_bytes_under_default_stream_work(
             assert torch.allclose(sums[key].cpu(), values[key].float().sum(), rtol=1e-3, atol=1e-2)
         del junk, busy
     torch.cuda.synchronize()
-    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    assert loader.held() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
     loader.close()
 
 
@@ -92,12 +92,12 @@ def test_cancel_during_the_copy_frees_everything(runtime: Runtime, cuda_store: T
     loader = StreamLoader(
         cuda_store, runtime=runtime, device=device, pool=PinnedPool(64 << 20, device=device)
     )
-    loader.submit("big", NewTensor((4096, 1024), torch.float32))
+    loader.submit("big", TensorSpec((4096, 1024), torch.float32))
     wait_until(lambda: (loader.poll(), loader.futures_pending == 0)[1], "the fetch")
     loader.cancel("big")
     churn_allocator(16 << 20)
     wait_until(lambda: (loader.poll(), loader.events_out == 0)[1], "the cancelled copy's event")
-    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    assert loader.held() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
     loader.close()
 
 
@@ -119,7 +119,7 @@ def test_saves_snapshot_after_the_producing_kernel_and_survive_the_free(
     for key, value in expected.items():
         (back,) = runtime.run(cuda_store.get([key]))
         assert back is not None and same_bytes(back, value)
-    assert tracker.counters()["buffers_out"] == 0 and tracker.counters()["events_out"] == 0
+    assert tracker.held()["buffers_out"] == 0 and tracker.held()["events_out"] == 0
     tracker.close()
 
 
@@ -134,8 +134,8 @@ def test_a_polls_loads_land_as_rows_of_one_tensor(runtime: Runtime, cuda_store: 
     loader = StreamLoader(
         cuda_store, runtime=runtime, device=device, pool=PinnedPool(64 << 20, device=device), rows=True
     )
-    loader.submit_many([(key, NewTensor((512, 1024), torch.float16)) for key in values])
-    loader.submit("odd", NewTensor((100, 7), torch.float32))
+    loader.submit_many([(key, TensorSpec((512, 1024), torch.float16)) for key in values])
+    loader.submit("odd", TensorSpec((100, 7), torch.float32))
     assert loader.wait(10)  # all six in staging; none copied yet
     busy_default_stream()
     assert loader.poll() == []  # issues the copies: one tensor for the five values of one shape
@@ -153,5 +153,5 @@ def test_a_polls_loads_land_as_rows_of_one_tensor(runtime: Runtime, cuda_store: 
         assert same_bytes(row.cpu(), values[f"v{i}"])
     assert got["odd"] is not None and got["odd"].untyped_storage().data_ptr() != base
     assert same_bytes(got["odd"].cpu(), odd)
-    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    assert loader.held() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
     loader.close()

@@ -29,10 +29,10 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import (
     CudaDevice,
-    NewTensor,
     PinnedPool,
     SaveTracker,
     StreamLoader,
+    TensorSpec,
     engine_devices,
 )
 from tests.transfer.helpers import drain_loads, drain_saves, wait_until
@@ -95,7 +95,7 @@ def make_tracker(runtime: Runtime, store: TensorStore) -> tuple[SaveTracker, Cud
 
 
 def load_one(loader: StreamLoader, key: str) -> torch.Tensor:
-    loader.submit(key, NewTensor((NBYTES,), torch.uint8))
+    loader.submit(key, TensorSpec((NBYTES,), torch.uint8))
     result = drain_loads(loader, 1)[key]
     assert result.ok, result.detail
     assert result.tensor is not None
@@ -132,7 +132,7 @@ def test_a_loaded_tensor_is_handed_over_only_after_its_copy(runtime: Runtime, st
         junk = torch.full((NBYTES,), 0xEE, dtype=torch.uint8, device="cuda")
         del junk
     spin(device.stream)  # the load's copy is queued behind this
-    loader.submit("a", NewTensor((NBYTES,), torch.uint8))
+    loader.submit("a", TensorSpec((NBYTES,), torch.uint8))
     result = drain_loads(loader, 1)["a"]
     assert result.ok and result.tensor is not None
     seen = result.tensor.clone()  # the default stream reads it at once, as the forward would
@@ -148,7 +148,7 @@ def test_a_cancelled_loads_memory_is_not_reused_while_its_copy_is_queued(
     runtime.run(store.put([("big", uint8_value(0x77))]))
     loader, device = make_loader(runtime, store)
     spin(device.stream)
-    loader.submit("big", NewTensor((NBYTES,), torch.uint8))
+    loader.submit("big", TensorSpec((NBYTES,), torch.uint8))
     wait_until(lambda: (loader.poll(), loader.events_out == 1)[1], "the copy to be issued")
     loader.cancel("big")  # its device tensor is dropped while the copy is queued behind the spin
     others = [torch.full((NBYTES,), 0x33, dtype=torch.uint8, device="cuda") for _ in range(4)]
@@ -157,7 +157,7 @@ def test_a_cancelled_loads_memory_is_not_reused_while_its_copy_is_queued(
     for other in others:
         assert torch.all(other == 0x33), "a cancelled copy landed in memory handed out again"
     wait_until(lambda: (loader.poll(), loader.events_out == 0)[1], "the cancelled copy's event")
-    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    assert loader.held() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
     loader.close()
 
 

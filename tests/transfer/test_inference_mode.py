@@ -14,10 +14,10 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import (
     CpuDevice,
-    NewTensor,
     PinnedPool,
     SaveTracker,
     StreamLoader,
+    TensorSpec,
     engine_devices,
 )
 from tests.transfer.helpers import drain_loads, drain_saves, same_bytes
@@ -38,8 +38,8 @@ def test_a_load_submitted_and_polled_under_inference_mode_lands(runtime: Runtime
     runtime.run(store.put([("emb", value)]))
     loader = StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(1 << 20))
     with torch.inference_mode():
-        loader.submit("emb", NewTensor(tuple(value.shape), value.dtype))
-        loader.submit("any", NewTensor(max_nbytes=4096))
+        loader.submit("emb", TensorSpec(tuple(value.shape), value.dtype))
+        loader.submit("any", TensorSpec(max_nbytes=4096))
         runtime.run(store.put([("any", value[:2])]))
         results = drain_loads(loader, 2)
     assert results["emb"].ok, results["emb"].detail
@@ -87,8 +87,8 @@ def test_the_cuda_path_under_inference_mode(runtime: Runtime, store: TensorStore
         store, runtime=runtime, device=save_device, pool=PinnedPool(1 << 20, device=save_device)
     )
     with torch.inference_mode():
-        loader.submit("emb", NewTensor(tuple(emb.shape), emb.dtype))
-        loader.submit("any", NewTensor(max_nbytes=4096))
+        loader.submit("emb", TensorSpec(tuple(emb.shape), emb.dtype))
+        loader.submit("any", TensorSpec(max_nbytes=4096))
         results = drain_loads(loader, 2)
         value = torch.randn(4, 8, device="cuda")  # an inference tensor, like vLLM's encoder outputs
         assert tracker.submit("req", "saved", value)

@@ -12,7 +12,7 @@ from asyncconn_backends.memory import MemoryBackend
 from asyncconn import codec
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import CpuDevice, Failure, NewTensor, PinnedPool, SaveTracker, StreamLoader
+from asyncconn.transfer import CpuDevice, Failure, PinnedPool, SaveTracker, StreamLoader, TensorSpec
 from asyncconn.transfer.lazy import Pieces, Shared
 from tests.transfer.helpers import SAVER_IDLE, wait_until
 
@@ -59,14 +59,14 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime, copy_t
         # Both engines are polled, as a worker polls them every step: with one pool, a load can be queued
         # for a buffer that only the tracker's poll gives back (a finished put's staging).
         poll_loads()
-        reported.update(tracker.poll_finished())
+        reported.update(tracker.poll())
         return loader.pending() == 0 and loader.futures_pending == 0
 
     def saves_drained() -> bool:
-        reported.update(tracker.poll_finished())
-        return tracker.counters()["requests"] == 0
+        reported.update(tracker.poll())
+        return tracker.held()["requests"] == 0
 
-    def load(key: str, dest: NewTensor) -> None:
+    def load(key: str, dest: TensorSpec) -> None:
         if key in loader._loads:  # the same value asked for again while in flight: replace the load
             loader.cancel(key)
         loader.submit(key, dest)
@@ -75,14 +75,14 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime, copy_t
         for i in range(start, start + BATCH):
             kind = rng.randrange(8)
             if kind == 0:
-                loader.submit(f"abandoned{i}", NewTensor((8, 4), torch.float32))
+                loader.submit(f"abandoned{i}", TensorSpec((8, 4), torch.float32))
                 loader.cancel(f"abandoned{i}")  # cancelled while queued or fetching
                 note("cancel")
             elif kind == 1:
-                loader.submit(f"absent{i}", NewTensor((8, 4), torch.float32))
+                loader.submit(f"absent{i}", TensorSpec((8, 4), torch.float32))
                 note("miss")
             elif kind == 2:
-                load(rng.choice(["bad", "bad-frame"]), NewTensor((8, 4), torch.float32))
+                load(rng.choice(["bad", "bad-frame"]), TensorSpec((8, 4), torch.float32))
                 note("corrupt")
             elif kind == 3:
                 request = f"req{i}"
@@ -103,17 +103,17 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime, copy_t
                 tracker.submit_many(request, [f"many{i}", f"save{i % 300}", f"many{i}-c"], pieces)
                 note("save-many")
             elif kind == 5:
-                load(f"v{i % 8}", NewTensor((8, 4), torch.float32))
+                load(f"v{i % 8}", TensorSpec((8, 4), torch.float32))
                 note("hit")
             elif kind == 6:
-                load(f"v{i % 8}", NewTensor(max_nbytes=4096))
+                load(f"v{i % 8}", TensorSpec(max_nbytes=4096))
                 note("hit-any")
             else:
-                load(f"kv{i % 8}", NewTensor((2, 8, 4), torch.float32))
+                load(f"kv{i % 8}", TensorSpec((2, 8, 4), torch.float32))
                 note("blocks")
             if i % 7 == 0:
                 poll_loads()
-                reported |= tracker.poll_finished()
+                reported |= tracker.poll()
         # Drain the batch completely every few batches, the rest of the time let work overlap batches.
         if (start // BATCH) % 5 == 4:
             wait_until(loads_drained, "loads to drain")
@@ -122,8 +122,8 @@ def test_ten_thousand_mixed_cycles_leave_nothing_behind(runtime: Runtime, copy_t
     wait_until(loads_drained, "loads")
     wait_until(saves_drained, "saves")
     assert reported == submitted_requests
-    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
-    assert tracker.counters() == SAVER_IDLE
+    assert loader.held() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    assert tracker.held() == SAVER_IDLE
     assert pool.buffers_out == 0 and pool.bytes_out == 0
     assert pool.bytes_reserved <= pool.capacity
     assert runtime.run(_other_tasks()) == 0

@@ -14,7 +14,7 @@ from asyncconn import codec
 from asyncconn.exceptions import ConfigError, DuplicateTransfer, TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import CpuDevice, Failure, NewTensor, PinnedPool, StreamLoader
+from asyncconn.transfer import CpuDevice, Failure, PinnedPool, StreamLoader, TensorSpec
 from tests.transfer.fakes import GatedBackend
 from tests.transfer.helpers import drain_loads, same_bytes, wait_until
 
@@ -24,7 +24,7 @@ def make_loader(store: TensorStore, runtime: Runtime, capacity: int = 1 << 22, *
 
 
 def assert_idle(loader: StreamLoader) -> None:
-    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    assert loader.held() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
     assert loader.pool.buffers_out == 0
     assert loader.pending() == 0
 
@@ -37,7 +37,7 @@ def test_load_into_new_tensor_with_declared_shape(
     value = (torch.randn(17, 33) * 100).to(dtype)
     runtime.run(store.put([("emb", value)]))
     loader = make_loader(store, runtime)
-    loader.submit("emb", NewTensor(tuple(value.shape), dtype))
+    loader.submit("emb", TensorSpec(tuple(value.shape), dtype))
     (result,) = drain_loads(loader, 1).values()
     assert result.ok and result.failure is None
     assert result.tensor is not None and same_bytes(result.tensor, value)
@@ -52,7 +52,7 @@ def test_load_into_new_tensor_takes_dtype_and_shape_from_the_frame(
     value = torch.arange(24, dtype=torch.int16).reshape(2, 3, 4)
     runtime.run(store.put([("frame", value)]))
     loader = make_loader(store, runtime)
-    loader.submit("frame", NewTensor(max_nbytes=1024))
+    loader.submit("frame", TensorSpec(max_nbytes=1024))
     (result,) = drain_loads(loader, 1).values()
     assert result.tensor is not None and same_bytes(result.tensor, value)
     assert_idle(loader)
@@ -62,16 +62,16 @@ def test_the_returned_tensor_does_not_alias_the_staging_buffer(runtime: Runtime,
     a, b = torch.full((64,), 1.0), torch.full((64,), 2.0)
     runtime.run(store.put([("a", a), ("b", b)]))
     loader = make_loader(store, runtime, capacity=4096)  # one buffer: b reuses a's staging memory
-    loader.submit("a", NewTensor((64,), torch.float32))
+    loader.submit("a", TensorSpec((64,), torch.float32))
     first = drain_loads(loader, 1)["a"].tensor
-    loader.submit("b", NewTensor((64,), torch.float32))
+    loader.submit("b", TensorSpec((64,), torch.float32))
     second = drain_loads(loader, 1)["b"].tensor
     assert first is not None and second is not None
     assert torch.equal(first, a) and torch.equal(second, b)
     assert loader.pool.allocations == 1
 
 
-class _NoNewTensors(CpuDevice):
+class _NoTensorSpecs(CpuDevice):
     """A host device that fails any load needing a tensor of its own (the staging copy ``consume`` skips)."""
 
     def empty(self, shape, dtype):  # type: ignore[no-untyped-def]
@@ -83,9 +83,9 @@ def test_consume_reads_the_staging_buffer_itself_and_gives_it_back_after_the_cal
 ) -> None:
     a, b = torch.full((64,), 1.0), torch.full((64,), 2.0)
     runtime.run(store.put([("a", a), ("b", b)]))
-    loader = StreamLoader(store, runtime=runtime, device=_NoNewTensors(), pool=PinnedPool(1 << 16))
-    loader.submit_many([("a", NewTensor((64,), torch.float32)), ("b", NewTensor((64,), torch.float32))])
-    loader.submit("gone", NewTensor((64,), torch.float32))
+    loader = StreamLoader(store, runtime=runtime, device=_NoTensorSpecs(), pool=PinnedPool(1 << 16))
+    loader.submit_many([("a", TensorSpec((64,), torch.float32)), ("b", TensorSpec((64,), torch.float32))])
+    loader.submit("gone", TensorSpec((64,), torch.float32))
     seen: dict[str, object] = {}
 
     def consume(result) -> None:  # type: ignore[no-untyped-def]
@@ -105,7 +105,7 @@ def test_consume_reads_the_staging_buffer_itself_and_gives_it_back_after_the_cal
 def test_a_consumer_that_raises_still_gets_the_buffer_back(runtime: Runtime, store: TensorStore) -> None:
     runtime.run(store.put([("a", torch.ones(8))]))
     loader = StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(1 << 16))
-    loader.submit("a", NewTensor((8,), torch.float32))
+    loader.submit("a", TensorSpec((8,), torch.float32))
 
     def consume(result) -> None:  # type: ignore[no-untyped-def]
         raise RuntimeError("scatter failed")
@@ -124,9 +124,9 @@ def test_a_consumer_that_raises_still_gets_the_buffer_back(runtime: Runtime, sto
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: NewTensor((3,), None), "both"),
-        (lambda: NewTensor(), "max_nbytes"),
-        (lambda: NewTensor((-1,), torch.float32), "negative"),
+        (lambda: TensorSpec((3,), None), "both"),
+        (lambda: TensorSpec(), "max_nbytes"),
+        (lambda: TensorSpec((-1,), torch.float32), "negative"),
     ],
 )
 def test_bad_destinations_are_refused_when_built(make: object, match: str) -> None:
@@ -137,8 +137,8 @@ def test_bad_destinations_are_refused_when_built(make: object, match: str) -> No
 # -- failures come back as values ----------------------------------------------------------------------
 def test_miss_is_a_failure_result(runtime: Runtime, store: TensorStore) -> None:
     loader = make_loader(store, runtime)
-    loader.submit("absent", NewTensor((4,), torch.float32))
-    loader.submit("absent-any", NewTensor(max_nbytes=64))
+    loader.submit("absent", TensorSpec((4,), torch.float32))
+    loader.submit("absent-any", TensorSpec(max_nbytes=64))
     results = drain_loads(loader, 2)
     assert {r.failure for r in results.values()} == {Failure.MISS}
     assert all(r.tensor is None for r in results.values())
@@ -155,9 +155,9 @@ def test_corrupt_value_is_a_failure_and_never_reaches_the_destination(
     runtime.run(store.backend.put([("flipped", bytes(frame)), ("garbage", b"not a frame at all")]))
     runtime.run(store.put([("wrong-dtype", good.to(torch.float16))]))
     loader = make_loader(store, runtime)
-    loader.submit("flipped", NewTensor((8, 4), torch.float32))
-    loader.submit("garbage", NewTensor((8, 4), torch.float32))
-    loader.submit("wrong-dtype", NewTensor((8, 4), torch.float32))
+    loader.submit("flipped", TensorSpec((8, 4), torch.float32))
+    loader.submit("garbage", TensorSpec((8, 4), torch.float32))
+    loader.submit("wrong-dtype", TensorSpec((8, 4), torch.float32))
     results = drain_loads(loader, 3)
     assert {k: r.failure for k, r in results.items()} == dict.fromkeys(results, Failure.CORRUPT)
     assert all(r.tensor is None for r in results.values())  # no corrupt payload is ever handed out
@@ -178,7 +178,7 @@ def test_every_damaged_value_a_fetch_finds_is_handed_to_on_corrupt(
     seen: list[str] = []
     loader = make_loader(store, runtime)
     loader.on_corrupt = seen.append
-    loader.submit_many([(k, NewTensor((8, 4), torch.float32)) for k in ("flipped", "good", "absent")])
+    loader.submit_many([(k, TensorSpec((8, 4), torch.float32)) for k in ("flipped", "good", "absent")])
     deadline = time.monotonic() + 5
     while loader.futures_pending > len(loader._fetched) and time.monotonic() < deadline:
         loader.wait(0.1)  # every read has ended, none polled yet
@@ -198,7 +198,7 @@ def test_every_damaged_value_a_fetch_finds_is_handed_to_on_corrupt(
 def test_value_over_max_nbytes_is_too_large(runtime: Runtime, store: TensorStore) -> None:
     runtime.run(store.put([("big", torch.zeros(1024))]))
     loader = make_loader(store, runtime)
-    loader.submit("big", NewTensor(max_nbytes=100))
+    loader.submit("big", TensorSpec(max_nbytes=100))
     assert drain_loads(loader, 1)["big"].failure is Failure.TOO_LARGE
     assert_idle(loader)
 
@@ -207,7 +207,7 @@ def test_value_larger_than_the_pool_is_too_large_not_queued_forever(
     runtime: Runtime, store: TensorStore
 ) -> None:
     loader = make_loader(store, runtime, capacity=8192)
-    loader.submit("huge", NewTensor((1 << 20,), torch.uint8))
+    loader.submit("huge", TensorSpec((1 << 20,), torch.uint8))
     assert drain_loads(loader, 1)["huge"].failure is Failure.TOO_LARGE
     assert_idle(loader)
 
@@ -215,7 +215,7 @@ def test_value_larger_than_the_pool_is_too_large_not_queued_forever(
 def test_store_timeout_is_a_timeout_failure(runtime: Runtime) -> None:
     slow = TensorStore(MemoryBackend(latency=5.0), timeout=0.05)
     loader = make_loader(slow, runtime)
-    loader.submit("k", NewTensor((4,), torch.float32))
+    loader.submit("k", TensorSpec((4,), torch.float32))
     result = drain_loads(loader, 1)["k"]
     assert result.failure is Failure.TIMEOUT and "BackendTimeout" in result.detail
     assert_idle(loader)
@@ -226,7 +226,7 @@ def test_store_error_is_a_store_error_failure(runtime: Runtime) -> None:
     closed = TensorStore(backend)
     runtime.run(closed.close())
     loader = make_loader(closed, runtime)
-    loader.submit("k", NewTensor((4,), torch.float32))
+    loader.submit("k", TensorSpec((4,), torch.float32))
     result = drain_loads(loader, 1)["k"]
     assert result.failure is Failure.STORE_ERROR and "closed" in result.detail
     assert_idle(loader)
@@ -236,7 +236,7 @@ def test_closed_runtime_is_a_store_error_not_an_exception(store: TensorStore) ->
     rt = Runtime(name="closed").start()
     rt.close()
     loader = StreamLoader(store, runtime=rt, device=CpuDevice(), pool=PinnedPool(1 << 16))
-    loader.submit("k", NewTensor((4,), torch.float32))
+    loader.submit("k", TensorSpec((4,), torch.float32))
     assert loader.poll()[0].failure is Failure.STORE_ERROR
     assert_idle(loader)
 
@@ -246,20 +246,20 @@ def test_duplicate_key_in_flight_is_refused_until_cancelled(
     runtime: Runtime, gated_store: TensorStore
 ) -> None:
     loader = make_loader(gated_store, runtime)
-    loader.submit("k", NewTensor((4,), torch.float32))
+    loader.submit("k", TensorSpec((4,), torch.float32))
     with pytest.raises(DuplicateTransfer):
-        loader.submit("k", NewTensor((4,), torch.float32))
+        loader.submit("k", TensorSpec((4,), torch.float32))
     assert loader.cancel("k")
-    loader.submit("k", NewTensor((4,), torch.float32))  # a fresh load of the same key is fine now
+    loader.submit("k", TensorSpec((4,), torch.float32))  # a fresh load of the same key is fine now
     loader.close()
     assert_idle(loader)
     with pytest.raises(TransferError, match="closed"):
-        loader.submit("k", NewTensor((4,), torch.float32))
+        loader.submit("k", TensorSpec((4,), torch.float32))
 
 
 def test_a_destination_other_than_new_tensor_is_refused(runtime: Runtime, store: TensorStore) -> None:
     loader = make_loader(store, runtime)
-    with pytest.raises(TransferError, match="NewTensor"):
+    with pytest.raises(TransferError, match="TensorSpec"):
         loader.submit("k", torch.zeros(4, 2))  # type: ignore[arg-type]
     assert_idle(loader)
 
@@ -269,12 +269,12 @@ def test_cancel_while_queued_releases_nothing_and_reports_nothing(
     runtime: Runtime, gated_store: TensorStore
 ) -> None:
     loader = make_loader(gated_store, runtime, capacity=4096)
-    loader.submit("first", NewTensor((1024,), torch.float32))  # takes the only buffer
-    loader.submit("second", NewTensor((1024,), torch.float32))  # queued behind it
-    assert loader.counters()["queued"] == 1
+    loader.submit("first", TensorSpec((1024,), torch.float32))  # takes the only buffer
+    loader.submit("second", TensorSpec((1024,), torch.float32))  # queued behind it
+    assert loader.held()["queued"] == 1
     assert loader.cancel("second")
     assert not loader.cancel("second")
-    assert loader.counters()["queued"] == 0
+    assert loader.held()["queued"] == 0
     loader.close()
     assert_idle(loader)
 
@@ -286,15 +286,15 @@ def test_cancel_mid_fetch_keeps_the_buffer_until_the_fetch_really_stopped(
     gated.data["k"] = codec.encode(torch.ones(1024), key="k")
     gated.data["other"] = codec.encode(torch.full((1024,), 7.0), key="other")
     loader = make_loader(gated_store, runtime, capacity=4096)  # exactly one staging buffer
-    loader.submit("k", NewTensor((1024,), torch.float32))
+    loader.submit("k", TensorSpec((1024,), torch.float32))
     assert gated.entered.wait(5)
     assert loader.cancel("k")
     assert gated.cancel_seen.wait(5)  # the task got the cancel ... but is still writing
-    loader.submit("other", NewTensor((1024,), torch.float32))
+    loader.submit("other", TensorSpec((1024,), torch.float32))
     for _ in range(20):
         assert loader.poll() == []
     # The buffer is still on loan to the cancelled fetch: the new load waits instead of sharing it.
-    assert loader.counters() == {"queued": 1, "buffers_out": 1, "events_out": 0, "futures_pending": 1}
+    assert loader.held() == {"queued": 1, "buffers_out": 1, "events_out": 0, "futures_pending": 1}
     runtime.call_soon(gated.gate.set)
     results = drain_loads(loader, 1)
     assert gated.late_writes == 1
@@ -309,11 +309,11 @@ def test_cancel_before_the_fetch_task_starts(runtime: Runtime, store: TensorStor
     runtime.run(store.put([("k", torch.ones(4))]))
     loader = make_loader(store, runtime)
     for i in range(200):  # some of these cancels land before the loop has started the task
-        loader.submit("k", NewTensor((4,), torch.float32))
+        loader.submit("k", TensorSpec((4,), torch.float32))
         assert loader.cancel("k")
         if i % 50 == 0:
             loader.poll()
-    wait_until(lambda: (loader.poll(), loader.counters()["futures_pending"] == 0)[1], "cancelled fetches")
+    wait_until(lambda: (loader.poll(), loader.held()["futures_pending"] == 0)[1], "cancelled fetches")
     assert loader.poll() == []
     assert_idle(loader)
 
@@ -323,8 +323,8 @@ def test_close_cancels_in_flight_loads_and_returns_buffers(
 ) -> None:
     loader = make_loader(gated_store, runtime)
     for i in range(5):
-        loader.submit(f"k{i}", NewTensor((16,), torch.float32))
-    assert loader.counters()["futures_pending"] == 5
+        loader.submit(f"k{i}", TensorSpec((16,), torch.float32))
+    assert loader.held()["futures_pending"] == 5
     loader.close()
     assert_idle(loader)
     loader.close()  # idempotent
@@ -339,8 +339,8 @@ def test_pool_exhaustion_queues_loads_in_order_then_all_complete(
     gated.data.update({k: codec.encode(v, key=k) for k, v in values.items()})
     loader = make_loader(store, runtime, capacity=8192)  # two 4 KiB buffers for six loads
     for key in values:
-        loader.submit(key, NewTensor((1024,), torch.float32))
-    assert loader.counters() == {"queued": 4, "buffers_out": 2, "events_out": 0, "futures_pending": 2}
+        loader.submit(key, TensorSpec((1024,), torch.float32))
+    assert loader.held() == {"queued": 4, "buffers_out": 2, "events_out": 0, "futures_pending": 2}
     assert loader.pool.refusals >= 1
     assert loader.pool.bytes_reserved <= 8192
     runtime.call_soon(gated.gate.set)
@@ -378,8 +378,8 @@ def test_max_inflight_bounds_store_calls_on_the_loop(runtime: Runtime) -> None:
     values = {f"k{i}": torch.full((4,), float(i)) for i in range(10)}
     backend.data.update({k: codec.encode(v, key=k) for k, v in values.items()})
     loader = make_loader(store, runtime, max_inflight=3)
-    loader.submit_many((key, NewTensor((4,), torch.float32)) for key in values)
-    assert loader.counters()["futures_pending"] == 10 and loader.counters()["queued"] == 0
+    loader.submit_many((key, TensorSpec((4,), torch.float32)) for key in values)
+    assert loader.held()["futures_pending"] == 10 and loader.held()["queued"] == 0
     wait_until(lambda: backend.calls == 3, "three store calls")
     time.sleep(0.05)
     assert backend.calls == 3  # the other seven wait for a slot
@@ -401,7 +401,7 @@ def test_queued_loads_start_when_a_slot_frees_without_a_poll(runtime: Runtime) -
     backend.data.update({k: codec.encode(v, key=k) for k, v in values.items()})
     loader = make_loader(store, runtime, max_inflight=1)
     before = loader.last_progress
-    loader.submit_many((key, NewTensor((4,), torch.float32)) for key in values)
+    loader.submit_many((key, TensorSpec((4,), torch.float32)) for key in values)
     deadline = time.monotonic() + 10
     while loader.wait(0.5) is False or backend.calls < 5:
         assert time.monotonic() < deadline, "loads did not progress without a poll"
@@ -421,7 +421,7 @@ class _BrokenDevice(CpuDevice):
 def test_device_error_is_a_failure_and_frees_the_staging_buffer(runtime: Runtime, store: TensorStore) -> None:
     runtime.run(store.put([("k", torch.ones(4))]))
     loader = StreamLoader(store, runtime=runtime, device=_BrokenDevice(), pool=PinnedPool(1 << 16))
-    loader.submit("k", NewTensor((4,), torch.float32))
+    loader.submit("k", TensorSpec((4,), torch.float32))
     result = drain_loads(loader, 1)["k"]
     assert result.failure is Failure.DEVICE_ERROR and "out of memory" in result.detail
     assert_idle(loader)
@@ -431,7 +431,7 @@ def test_submit_many_hands_a_whole_step_over_at_once(runtime: Runtime, store: Te
     values = {f"k{i}": torch.full((8,), float(i)) for i in range(10)}
     runtime.run(store.put(values.items()))
     loader = make_loader(store, runtime)
-    loader.submit_many((key, NewTensor((8,), torch.float32)) for key in values)
+    loader.submit_many((key, TensorSpec((8,), torch.float32)) for key in values)
     results = drain_loads(loader, 10)
     for key, value in values.items():
         tensor = results[key].tensor
@@ -442,7 +442,7 @@ def test_submit_many_hands_a_whole_step_over_at_once(runtime: Runtime, store: Te
 def test_submit_many_is_all_or_nothing(runtime: Runtime, store: TensorStore) -> None:
     loader = make_loader(store, runtime)
     with pytest.raises(DuplicateTransfer):
-        loader.submit_many([("a", NewTensor((1,), torch.float32)), ("a", NewTensor((1,), torch.float32))])
+        loader.submit_many([("a", TensorSpec((1,), torch.float32)), ("a", TensorSpec((1,), torch.float32))])
     assert loader.pending() == 0
     assert_idle(loader)
 
@@ -452,7 +452,7 @@ def test_runtime_closing_mid_fetch_fails_the_loads_and_returns_buffers(
 ) -> None:
     rt = Runtime(name="closing").start()
     loader = StreamLoader(gated_store, runtime=rt, device=CpuDevice(), pool=PinnedPool(1 << 16))
-    loader.submit_many((f"k{i}", NewTensor((4,), torch.float32)) for i in range(3))
+    loader.submit_many((f"k{i}", TensorSpec((4,), torch.float32)) for i in range(3))
     assert gated.entered.wait(5)  # the fetches are running on the loop
     rt.close()  # cancels the batch task, which cancels and awaits its fetches
     results = drain_loads(loader, 3)
@@ -474,7 +474,7 @@ def test_wait_returns_when_a_fetch_lands_not_at_its_timeout(
 ) -> None:
     gated.data["k"] = codec.encode(torch.ones(16), key="k")
     loader = make_loader(gated_store, runtime)
-    loader.submit("k", NewTensor((16,), torch.float32))
+    loader.submit("k", TensorSpec((16,), torch.float32))
     assert gated.entered.wait(5)
     assert loader.wait(0.05) is False  # still gated: the wait is bounded
     timer = threading.Timer(0.1, runtime.call_soon, (gated.gate.set,))
@@ -511,7 +511,7 @@ def test_each_load_lands_as_soon_as_its_read_ends(
 
     monkeypatch.setattr(loader, "_hand_back", counting)
     monkeypatch.setattr(store.backend, "get", recording)
-    loader.submit_many([(k, NewTensor((16,), torch.float32)) for k in values])
+    loader.submit_many([(k, TensorSpec((16,), torch.float32)) for k in values])
     results = drain_loads(loader, 4)
     assert seen == [0, 1, 2, 3]
     assert all(torch.equal(results[k].tensor, v) for k, v in values.items())  # type: ignore[arg-type]
@@ -532,7 +532,9 @@ def test_wait_first_returns_when_one_fetch_lands_while_others_are_still_read(
 
     monkeypatch.setattr(store.backend, "get", gated)
     loader = make_loader(store, runtime)
-    loader.submit_many([("slow", NewTensor((16,), torch.float32)), ("fast", NewTensor((16,), torch.float32))])
+    loader.submit_many(
+        [("slow", TensorSpec((16,), torch.float32)), ("fast", TensorSpec((16,), torch.float32))]
+    )
     started = time.monotonic()
     assert loader.wait(10.0, first=True) is True
     assert time.monotonic() - started < 5.0

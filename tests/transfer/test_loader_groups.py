@@ -20,7 +20,7 @@ from asyncconn import codec
 from asyncconn.exceptions import InvalidInput, TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import CpuDevice, Failure, NewTensor, PinnedPool, Scattered, StreamLoader
+from asyncconn.transfer import CpuDevice, Failure, PinnedPool, Scattered, StreamLoader, TensorSpec
 from asyncconn.transfer import loader as loader_module
 from tests.transfer.fakes import GatedBatchBackend
 from tests.transfer.helpers import drain_loads, wait_until
@@ -34,7 +34,7 @@ def make_loader(store: TensorStore, runtime: Runtime, capacity: int = 1 << 20) -
 
 
 def assert_idle(loader: StreamLoader) -> None:
-    assert loader.counters() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
+    assert loader.held() == {"queued": 0, "buffers_out": 0, "events_out": 0, "futures_pending": 0}
     assert loader.pool.buffers_out == 0 and loader.pending() == 0
 
 
@@ -62,7 +62,7 @@ def test_a_step_is_read_in_groups_each_value_landing_whole(
 ) -> None:
     runtime.call_soon(batch.gate.set)
     loader = make_loader(TensorStore(batch, name="batch"), runtime)
-    loader.submit_many((f"k{i}", NewTensor(SHAPE, torch.float32)) for i in range(10))
+    loader.submit_many((f"k{i}", TensorSpec(SHAPE, torch.float32)) for i in range(10))
     results = drain_loads(loader, 10)
     assert batch.batches == [["k0", "k1", "k2"], ["k3", "k4", "k5"], ["k6", "k7", "k8"], ["k9"]]
     for i in range(10):
@@ -74,7 +74,7 @@ def test_a_step_is_read_in_groups_each_value_landing_whole(
 def test_loads_without_a_shape_are_read_one_by_one(runtime: Runtime, batch: GatedBatchBackend) -> None:
     runtime.call_soon(batch.gate.set)
     loader = make_loader(TensorStore(batch, name="batch"), runtime)
-    loader.submit_many([("k1", NewTensor(max_nbytes=4096)), ("k2", NewTensor(SHAPE, torch.float32))])
+    loader.submit_many([("k1", TensorSpec(max_nbytes=4096)), ("k2", TensorSpec(SHAPE, torch.float32))])
     results = drain_loads(loader, 2)
     assert batch.batches == [["k2"]]  # k1's size is only known from its frame: the per-value path
     assert all(r.ok for r in results.values())
@@ -87,7 +87,7 @@ def test_a_store_error_fails_its_group_only(
     batch.fail_keys = {"k4"}
     runtime.call_soon(batch.gate.set)
     loader = make_loader(TensorStore(batch, name="batch"), runtime)
-    loader.submit_many((f"k{i}", NewTensor(SHAPE, torch.float32)) for i in range(9))
+    loader.submit_many((f"k{i}", TensorSpec(SHAPE, torch.float32)) for i in range(9))
     results = drain_loads(loader, 9)
     failed = {k for k, r in results.items() if not r.ok}
     assert failed == {"k3", "k4", "k5"}
@@ -100,17 +100,17 @@ def test_a_cancelled_load_keeps_its_buffer_until_its_group_has_landed(
     runtime: Runtime, batch: GatedBatchBackend, three_per_group: None
 ) -> None:
     loader = make_loader(TensorStore(batch, name="batch"), runtime)
-    loader.submit_many((f"k{i}", NewTensor(SHAPE, torch.float32)) for i in range(3))
+    loader.submit_many((f"k{i}", TensorSpec(SHAPE, torch.float32)) for i in range(3))
     assert batch.entered.wait(5)
     assert loader.cancel("k1")
     for _ in range(20):
         assert loader.poll() == []
     # The group's read may still write k1's buffer: it stays on loan.
-    assert loader.counters()["buffers_out"] == 3 and loader.counters()["futures_pending"] == 3
+    assert loader.held()["buffers_out"] == 3 and loader.held()["futures_pending"] == 3
     assert not batch.cancel_seen.is_set()  # the others' read goes on
     runtime.call_soon(batch.gate.set)
     results = drain_loads(loader, 2)
-    wait_until(lambda: (loader.poll(), loader.counters()["futures_pending"] == 0)[1], "the cancelled load")
+    wait_until(lambda: (loader.poll(), loader.held()["futures_pending"] == 0)[1], "the cancelled load")
     assert sorted(results) == ["k0", "k2"]  # nothing is reported for k1
     assert loader.cancelled == 1
     assert_idle(loader)
@@ -121,7 +121,7 @@ def test_runtime_closing_mid_group_fails_its_loads_and_returns_buffers(
 ) -> None:
     rt = Runtime(name="closing").start()
     loader = make_loader(TensorStore(batch, name="batch"), rt)
-    loader.submit_many((f"k{i}", NewTensor(SHAPE, torch.float32)) for i in range(5))
+    loader.submit_many((f"k{i}", TensorSpec(SHAPE, torch.float32)) for i in range(5))
     assert batch.entered.wait(5)
     rt.close()
     results = drain_loads(loader, 5)
@@ -154,7 +154,7 @@ def test_file_store_loads_a_prefix_in_groups_and_a_bad_value_fails_alone(
         f.write(bytes([byte[0] ^ 0xFF]))
     os.unlink(backend.path_for("v30"))  # type: ignore[attr-defined]
     loader = make_loader(file_store, runtime, capacity=64 << 20)
-    loader.submit_many((k, NewTensor(shape, torch.float32)) for k in values)
+    loader.submit_many((k, TensorSpec(shape, torch.float32)) for k in values)
     results = drain_loads(loader, len(values))
     assert results["v17"].failure is Failure.CORRUPT
     assert results["v30"].failure is Failure.MISS
@@ -188,7 +188,7 @@ def test_in_place_loads_land_in_the_callers_memory_and_a_bad_value_fails_alone(
     loader = make_loader(file_store, runtime)
     rows = {k: [torch.empty(2, 1024) for _ in range(14)] for k in values}
     loader.submit_many((k, _in_place(rows[k], shape)) for k in values)
-    assert loader.counters()["buffers_out"] == 0  # nothing staged
+    assert loader.held()["buffers_out"] == 0  # nothing staged
     results = drain_loads(loader, len(values))
     assert results["p5"].failure is Failure.CORRUPT and results["p9"].failure is Failure.MISS
     for key, expected in values.items():
@@ -266,13 +266,13 @@ def test_an_in_place_load_being_read_cannot_be_cancelled(
     loader.submit_many(
         [
             ("a", _in_place(rows["a"], SHAPE)),
-            ("s", NewTensor(SHAPE, torch.float32)),
-            ("t", NewTensor(SHAPE, torch.float32)),
+            ("s", TensorSpec(SHAPE, torch.float32)),
+            ("t", TensorSpec(SHAPE, torch.float32)),
             ("b", _in_place(rows["b"], SHAPE)),
         ]
     )
     assert started.wait(5)
-    assert loader.counters()["queued"] == 2  # "t" waits for a buffer, "b" behind it
+    assert loader.held()["queued"] == 2  # "t" waits for a buffer, "b" behind it
     assert not loader.cancel("a")  # being read
     assert loader.cancel("b")  # still queued: dropped
     release.set()
@@ -291,7 +291,7 @@ def test_in_place_loads_are_not_held_back_by_max_inflight(runtime: Runtime, file
     )
     rows = {n: [torch.zeros(SHAPE)] for n in range(6)}
     loader.submit_many((f"i{n}", _in_place(rows[n], SHAPE)) for n in range(6))
-    assert loader.counters()["queued"] == 0
+    assert loader.held()["queued"] == 0
     results = drain_loads(loader, 6)
     assert all(r.in_place for r in results.values())
     assert all(torch.equal(rows[n][0], value(n)) for n in range(6))

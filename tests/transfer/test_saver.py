@@ -43,7 +43,7 @@ def make_tracker(store: TensorStore, runtime: Runtime, capacity: int = 1 << 22, 
 
 
 def assert_idle(tracker: SaveTracker) -> None:
-    assert tracker.counters() == SAVER_IDLE
+    assert tracker.held() == SAVER_IDLE
     assert tracker.pool.buffers_out == 0
 
 
@@ -61,13 +61,13 @@ def test_saves_are_deferred_and_reported_once_per_request(runtime: Runtime, gate
     assert not gated.entered.is_set()  # submit never reaches the loop: flush() hands saves over
     assert tracker.pending("r1") == 2 and tracker.pending("r2") == 1  # pending() flushes
     assert gated.entered.wait(5)  # the puts are running, and the store acknowledges nothing yet
-    assert tracker.poll_finished() == set()
+    assert tracker.poll() == set()
     runtime.call_soon(gated.gate.set)
     assert drain_saves(tracker, {"r1", "r2"}) == {"r1", "r2"}
     for key, value in (("ka", a), ("kb", b), ("kc", c)):
         back = stored(runtime, store, key)
         assert back is not None and same_bytes(back, value)
-    assert tracker.poll_finished() == set()  # reported once
+    assert tracker.poll() == set()  # reported once
     assert tracker.pending("r1") == 0
     assert tracker.saved == 3 and tracker.saved_bytes == 8 * 4 * 4 + 3 * 2 + 5 * 8
     assert_idle(tracker)
@@ -109,7 +109,7 @@ def test_duplicate_keys_are_not_resent(runtime: Runtime, gated: GatedBackend) ->
     runtime.call_soon(gated.gate.set)
     assert drain_saves(tracker, {"r1", "r2"}) == {"r1", "r2"}
     assert not tracker.submit("r3", "shared", value)  # saved recently
-    assert tracker.poll_finished() == {"r3"}  # a request whose only save was skipped is done at once
+    assert tracker.poll() == {"r3"}  # a request whose only save was skipped is done at once
     assert gated.puts == 1 and tracker.skipped == 2
     assert_idle(tracker)
 
@@ -233,7 +233,7 @@ def test_pool_exhaustion_queues_snapshots_then_progresses(runtime: Runtime, gate
     values = {f"k{i}": torch.full((1024,), float(i)) for i in range(5)}
     for i, (key, value) in enumerate(values.items()):
         tracker.submit(f"r{i}", key, value)
-    assert tracker.counters()["queued"] == 3 and tracker.counters()["buffers_out"] == 2
+    assert tracker.held()["queued"] == 3 and tracker.held()["buffers_out"] == 2
     runtime.call_soon(gated.gate.set)
     drain_saves(tracker, {f"r{i}" for i in range(5)})
     for key, value in values.items():
@@ -329,10 +329,10 @@ def test_submit_many_is_submit_per_value_with_one_staging_buffer(
     assert tracker.submit_many("r1", ["a", "b", "a", "c"], pieces.part(0, 4)) == 3  # "a" twice: once
     assert tracker.submit_many("r2", ["b", "d"], pieces.part(4, 2)) == 1  # "b" is in flight for r1
     assert tracker.submit_many("r3", [], pieces.part(6, 0)) == 0  # nothing: not even a request
-    assert tracker.skipped == 2 and tracker.counters()["requests"] == 2
+    assert tracker.skipped == 2 and tracker.held()["requests"] == 2
     assert tracker.pending("r1") == 3 and tracker.pending("r2") == 1  # pending() hands them over
     if copy_thread:  # the step's four accepted values share one buffer: one pool acquire, not four
-        assert tracker.pool.allocations == 1 and tracker.counters()["buffers_out"] == 1
+        assert tracker.pool.allocations == 1 and tracker.held()["buffers_out"] == 1
     else:  # synchronous snapshots: one per value, as submit does
         assert tracker.pool.allocations == 4
     runtime.call_soon(gated.gate.set)
@@ -342,7 +342,7 @@ def test_submit_many_is_submit_per_value_with_one_staging_buffer(
         assert back is not None and torch.equal(back, cache[row : row + 1])
     assert tracker.saved == 4 and tracker.saved_bytes == 4 * 16
     assert tracker.submit_many("r4", ["c", "a"], pieces.part(0, 2)) == 0  # saved recently
-    assert tracker.poll_finished() == {"r4"}  # nothing accepted: done at once
+    assert tracker.poll() == {"r4"}  # nothing accepted: done at once
     assert_idle(tracker)
     with pytest.raises(TransferError, match="2 keys for 1 values"):
         tracker.submit_many("r5", ["x", "y"], pieces.part(0, 1))
@@ -373,7 +373,7 @@ def test_submit_stacked_is_submit_per_row_with_one_snapshot(
         back = stored(runtime, store, key)
         assert back is not None and torch.equal(back, original[row]), key
     assert tracker.submit_stacked([("r3", "b")], original[:1]) == []  # saved recently
-    assert tracker.poll_finished() == {"r3"}
+    assert tracker.poll() == {"r3"}
     assert_idle(tracker)
     with pytest.raises(TransferError, match="1 items for 2 values"):
         tracker.submit_stacked([("r4", "x")], original[:2])
@@ -411,10 +411,10 @@ def test_submit_many_stages_one_by_one_when_the_pool_cannot_give_one_buffer(
     cache = torch.arange(3 * 1024, dtype=torch.float32).reshape(3, 1024)
     assert tracker.submit_many("r", ["k0", "k1", "k2"], rows(cache, [0, 1, 2])) == 3
     tracker.flush()
-    assert tracker.counters()["queued"] == 1 and tracker.counters()["buffers_out"] == 2
+    assert tracker.held()["queued"] == 1 and tracker.held()["buffers_out"] == 2
     assert tracker.submit_many("s", ["k3"], rows(cache, [2])) == 1  # behind the queue: queued too
     tracker.flush()
-    assert tracker.counters()["queued"] == 2
+    assert tracker.held()["queued"] == 2
     runtime.call_soon(gated.gate.set)
     drain_saves(tracker, {"r", "s"})
     for i, row in enumerate((0, 1, 2, 2)):
@@ -446,7 +446,7 @@ def test_submit_many_with_name_dedupes_by_identity_and_names_on_the_copy_thread(
         back = stored(runtime, store, key)
         assert back is not None and torch.equal(back, cache[row : row + 1])
     assert tracker.submit_many("r3", [b"\x01"], rows(cache, [0]), name=name) == 0  # saved recently
-    assert tracker.poll_finished() == {"r3"}
+    assert tracker.poll() == {"r3"}
     # queued behind saves waiting for buffers: named and staged one by one, same identities
     big = torch.zeros(2, 1024)
     assert tracker.submit_many("r4", [b"\x10", b"\x11"], rows(big, [0, 1]), name=name) == 2

@@ -135,9 +135,9 @@ def kv_round_trip(where: str, *, copy_thread: bool | None = None, sync: bool = F
         _sync(where)
         for n in layers:
             assert torch.equal(loaded[n], saved[n]), f"{n}: not the saved bytes"
-        worker.shutdown()
-        assert not any(worker.counters().values()), worker.counters()
-        copier = worker.saver.copy_thread  # CPU: the snapshots ran there; shutdown joined it
+        worker.close()
+        assert not any(worker.held().values()), worker.held()
+        copier = worker.saver.copy_thread  # CPU: the snapshots ran there; close joined it
         expected = where == "cpu" and copy_thread is not False
         assert (copier is not None) == expected and (copier is None or not copier.alive)
     finally:
@@ -204,8 +204,8 @@ def kv_one_polls_loads(where: str) -> list[int]:
             for rid, v, positions, blocks in plan:
                 for p, b in zip(positions, blocks, strict=True):
                     assert torch.equal(cache[:, b], saved[n][:, 2 * v + p]), f"{n} block {b} ({rid})"
-        worker.shutdown()
-        assert not any(worker.counters().values()), worker.counters()
+        worker.close()
+        assert not any(worker.held().values()), worker.held()
         return sizes
     finally:
         runtime.close()
@@ -261,7 +261,7 @@ def ec_save_prefetch_install(where: str) -> None:
         cache.clear()
         for worker in (producer, consumer):
             worker.close()
-            assert all(v == 0 for v in worker.counters().values()), worker.counters()
+            assert all(v == 0 for v in worker.held().values()), worker.held()
     finally:
         runtime.close()
 

@@ -58,5 +58,5 @@ def test_library_connector_producer_then_consumer(make_sim: Any) -> None:
     assert torch.equal(used, embedding_for("img-lib", 16, SimShape().hidden_size))
     assert pd.leak_check() == []
     for worker in pd.workers:
-        assert all(v == 0 for v in worker.ec_connector.loader.counters().values())
-    assert pd.scheduler.ec_connector.lookup.counters()["entries"] == 0
+        assert all(v == 0 for v in worker.ec_connector.loader.held().values())
+    assert pd.scheduler.ec_connector.lookup.held()["entries"] == 0

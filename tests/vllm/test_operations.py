@@ -88,7 +88,7 @@ def test_kv_saves_are_counted_when_confirmed_and_failed_saves_apart(runtime: Run
         assert stats.data["saves"] == 1 and stats.data["store_unreachable"] == -1  # the gauge comes down
         assert worker.stats() is None  # a quiet step builds nothing
     finally:
-        worker.shutdown()
+        worker.close()
 
 
 def test_kv_scheduler_counts_lookup_timeouts_and_the_line_quotes_the_counter(
@@ -111,7 +111,7 @@ def test_kv_scheduler_counts_lookup_timeouts_and_the_line_quotes_the_counter(
         assert totals and totals[-1] <= client.metrics.timeouts and max(totals) <= 3
         assert side.stats() is None  # nothing new: nothing reported twice
     finally:
-        side.shutdown()
+        side.close()
 
 
 def test_ec_saves_are_counted_when_confirmed_and_failed_saves_apart(runtime: Runtime) -> None:

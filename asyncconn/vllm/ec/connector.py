@@ -136,7 +136,7 @@ class AsyncConnECConnector(
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     def get_ec_connector_stats(self) -> ECConnectorStats | None:
-        """Event counts since the previous call: the scheduler side's ``stats()`` (the workers' included)
+        """Event counts since the previous call: the scheduler side's ``totals()`` (the workers' included)
         and the lookup client's (timeouts, errors)."""
         if self._scheduler is None:
             return None
@@ -144,7 +144,7 @@ class AsyncConnECConnector(
         reported, delta = self._reported, {}
         client = self._scheduler.lookup
         lookup = client.metrics
-        current = self._scheduler.stats()  # the workers' reports included (a copy: ours to add to)
+        current = self._scheduler.totals()  # the workers' reports included (a copy: ours to add to)
         current.update(
             lookup_timeouts=lookup.timeouts, lookup_errors=lookup.errors, lookup_rejected=lookup.rejected
         )

@@ -346,12 +346,12 @@ class ECSchedulerSide:
         return False
 
     # -- bookkeeping ------------------------------------------------------------------------------------
-    def stats(self) -> collections.Counter[str]:
+    def totals(self) -> collections.Counter[str]:
         """Events counted since start (this side's and the workers' reports): lookups, hits, deferrals,
         prefetches, loads, saves, failures. A copy; a name never counted reads 0."""
         return collections.Counter(self._stats)
 
-    def counters(self) -> dict[str, int]:
+    def held(self) -> dict[str, int]:
         """What this object holds right now (all 0 once every request is gone and saves are confirmed)."""
         return {
             "requests": len(self._requests),
@@ -361,7 +361,7 @@ class ECSchedulerSide:
             "pending_drops": len(self._drop),
             "pushing": len(self._pushing),
             "unavailable": len(self._unavailable),
-            "lookups": self.lookup.counters()["entries"],
+            "lookups": self.lookup.held()["entries"],
         }
 
     def item_state(self, mm_hash: str) -> ItemState | None:

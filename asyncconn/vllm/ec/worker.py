@@ -35,7 +35,7 @@ from asyncconn.config import Settings
 from asyncconn.lookup.protocol import store_key
 from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import LoadResult, NewTensor, PinnedPool, SaveTracker, StreamLoader
+from asyncconn.transfer import LoadResult, PinnedPool, SaveTracker, StreamLoader, TensorSpec
 from asyncconn.transfer._device import LOAD_PRIORITY, SAVE_PRIORITY, TransferDevice, default_device
 from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport, ItemRef
@@ -123,7 +123,7 @@ class ECWorkerSide:
             self._empty_step_hooks = True
         for mm_hash in meta.drop:
             self._forget(mm_hash)
-        submits: list[tuple[str, NewTensor]] = []
+        submits: list[tuple[str, TensorSpec]] = []
         for ref in meta.prefetch:
             key = self.key(ref.mm_hash)
             if ref.mm_hash in self._staged:
@@ -158,11 +158,11 @@ class ECWorkerSide:
         if self.loader is not None:
             self._collect()
 
-    def _dest(self, ref: ItemRef) -> NewTensor:
+    def _dest(self, ref: ItemRef) -> TensorSpec:
         if self._row is not None:
             trailing, dtype = self._row
-            return NewTensor((ref.num_embeds, *trailing), dtype)
-        return NewTensor(max_nbytes=max(1, ref.num_embeds) * self.settings.ec_max_row_bytes)
+            return TensorSpec((ref.num_embeds, *trailing), dtype)
+        return TensorSpec(max_nbytes=max(1, ref.num_embeds) * self.settings.ec_max_row_bytes)
 
     def _collect(self) -> None:
         assert self.loader is not None
@@ -249,7 +249,7 @@ class ECWorkerSide:
         """``get_finished``: hand staged saves to the loop, count finished ones, collect prefetches."""
         if self.saver is not None:
             self.saver.flush()
-            self._stats["saves_done"] += len(self.saver.poll_finished())
+            self._stats["saves_done"] += len(self.saver.poll())
         self._stats.update(self._totals.take())
         self.poll()
 
@@ -271,7 +271,7 @@ class ECWorkerSide:
         return counts, None if reach is None else (reach.outages, reach.reachable)
 
     def has_pending_saves(self) -> bool:
-        return self.saver is not None and self.saver.counters()["requests"] > 0
+        return self.saver is not None and self.saver.held()["requests"] > 0
 
     # -- reporting ------------------------------------------------------------------------------------
     def report(self) -> ECWorkerReport:
@@ -288,13 +288,13 @@ class ECWorkerSide:
         self._stats = collections.Counter()
         return report
 
-    def counters(self) -> dict[str, int]:
+    def held(self) -> dict[str, int]:
         """Resources held right now: all 0 once nothing is loading, staged or saving."""
         out = {"loading": len(self._loading), "staged": len(self._staged)}
         if self.loader is not None:
-            out.update({f"loader_{k}": v for k, v in self.loader.counters().items()})
+            out.update({f"loader_{k}": v for k, v in self.loader.held().items()})
         if self.saver is not None:
-            out.update({f"saver_{k}": v for k, v in self.saver.counters().items()})
+            out.update({f"saver_{k}": v for k, v in self.saver.held().items()})
         out["pool_buffers_out"] = self.pool.buffers_out
         out["deletes"] = self._purger.pending
         return out

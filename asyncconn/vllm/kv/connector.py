@@ -281,9 +281,9 @@ class AsyncConnKVConnector(
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.shutdown()
+            self._worker.close()
         if self._scheduler is not None:
-            self._scheduler.shutdown()
+            self._scheduler.close()
 
     # -- scheduler side --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(

@@ -20,7 +20,7 @@ import torch
 
 from asyncconn import codec
 from asyncconn.store import Scattered, TensorStore
-from asyncconn.transfer import Failure, LoadResult, NewTensor
+from asyncconn.transfer import Failure, LoadResult, TensorSpec
 from asyncconn.transfer.runs import runs
 from asyncconn.vllm.kv.groups import has_null
 from asyncconn.vllm.kv.layout import CacheLayout
@@ -53,7 +53,7 @@ class InPlaceLanding(HostLanding):
         per_layer = self.outer * layout.blocks_per_value * self.block_bytes
         assert per_layer * len(self.cache_bytes) == self.staged.staging_nbytes
 
-    def destination(self, ref: ValueRef) -> tuple[NewTensor | Scattered, bool]:
+    def destination(self, ref: ValueRef) -> tuple[TensorSpec | Scattered, bool]:
         if ref.positions != self.layout.whole or has_null(ref.block_ids):
             return self.staged, False
         per_block = self.block_bytes
@@ -77,7 +77,7 @@ class InPlaceLanding(HostLanding):
         ]
         return Scattered.trusted(self.layout.dtype, self.staged.shape or (), tuple(views)), True
 
-    def fallback(self, result: LoadResult) -> NewTensor | None:
+    def fallback(self, result: LoadResult) -> TensorSpec | None:
         """A value the store would have had to wait for: read it through staging."""
         return self.staged if result.failure is Failure.NOT_CACHED else None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from asyncconn.store import Scattered, TensorStore
-from asyncconn.transfer import LoadResult, NewTensor, StreamLoader
+from asyncconn.transfer import LoadResult, StreamLoader, TensorSpec
 from asyncconn.vllm.kv.layout import CacheLayout
 from asyncconn.vllm.kv.metadata import ValueRef
 
@@ -28,14 +28,14 @@ class Landing:
 
     def __init__(self, layout: CacheLayout) -> None:
         self.layout = layout
-        self.staged = NewTensor(layout.value_shape, layout.dtype)
+        self.staged = TensorSpec(layout.value_shape, layout.dtype)
 
-    def destination(self, ref: ValueRef) -> tuple[NewTensor | Scattered, bool]:
+    def destination(self, ref: ValueRef) -> tuple[TensorSpec | Scattered, bool]:
         """Where a new fetch of ``ref`` lands, and whether that is the requesting request's own blocks (the
         worker then keeps that request's load open until the read has ended, whatever happens to it)."""
         return self.staged, False
 
-    def fallback(self, result: LoadResult) -> NewTensor | None:
+    def fallback(self, result: LoadResult) -> TensorSpec | None:
         """Where to fetch a value again whose fetch failed in a way another destination avoids (None: it
         failed)."""
         return None

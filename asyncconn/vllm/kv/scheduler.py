@@ -322,7 +322,7 @@ class KVSchedulerSide:
                 stats.merge_histogram("lookup_latency", buckets)
         return None if stats.is_empty() else stats
 
-    def counters(self) -> dict[str, int]:
+    def held(self) -> dict[str, int]:
         """Sizes of every per-request structure (tests count them back to zero)."""
         out = {
             "requests": len(self._reqs),
@@ -332,10 +332,10 @@ class KVSchedulerSide:
             "finished_via_recv": len(self._via_recv),
         }
         if self.lookup is not None:
-            out.update({f"lookup_{k}": v for k, v in self.lookup.counters().items()})
+            out.update({f"lookup_{k}": v for k, v in self.lookup.held().items()})
         return out
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         self._reqs.clear()
         self._hits.clear()
         self._local.clear()

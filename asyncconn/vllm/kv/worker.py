@@ -44,7 +44,7 @@ import torch
 from asyncconn.exceptions import AsyncConnError, ConfigError
 from asyncconn.runtime import Runtime
 from asyncconn.store import Scattered, TensorStore
-from asyncconn.transfer import LoadResult, NewTensor, SaveTracker, StreamLoader
+from asyncconn.transfer import LoadResult, SaveTracker, StreamLoader, TensorSpec
 from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.kv.groups import real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
@@ -190,7 +190,7 @@ class KVWorkerSide:
         landing = self.landing
         assert landing is not None, "register_kv_caches was not called"
         now = time.monotonic()
-        submit: list[tuple[str, NewTensor | Scattered]] = []
+        submit: list[tuple[str, TensorSpec | Scattered]] = []
         for spec in meta.loads:
             load = self._req_loads.setdefault(
                 spec.request_id, _ReqLoad(now, now + self.load_timeout, sync=spec.sync)
@@ -471,7 +471,7 @@ class KVWorkerSide:
                 if not load.aborted:
                     self._load_errors |= load.failed_blocks
                     self._stats.observe("load_latency", time.monotonic() - load.t0)
-        for rid in self.saver.poll_finished():
+        for rid in self.saver.poll():
             self._observe_save(rid)
         sending = {rid for rid in self._finishing if not self.saver.pending(rid)}
         self._finishing -= sending
@@ -499,7 +499,7 @@ class KVWorkerSide:
             stats.add(name, change)
         return None if stats.is_empty() else stats
 
-    def counters(self) -> dict[str, int]:
+    def held(self) -> dict[str, int]:
         """Everything this worker holds per request or per transfer; all 0 when idle."""
         out = {
             "fetches": len(self._fetches),
@@ -510,11 +510,12 @@ class KVWorkerSide:
             "sync_failed": int(self._sync_failed),
             "deletes": self._purger.pending,
         }
-        out.update({f"loader_{k}": v for k, v in self.loader.counters().items()})
-        out.update({f"saver_{k}": v for k, v in self.saver.counters().items()})
+        out.update({f"loader_{k}": v for k, v in self.loader.held().items()})
+        out.update({f"saver_{k}": v for k, v in self.saver.held().items()})
         return out
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel loads, let saves finish (bounded), close the engines and the store. Safe twice."""
         if self._closed:
             return
         self._closed = True

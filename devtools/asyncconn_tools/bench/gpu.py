@@ -296,7 +296,7 @@ def _bench_kv(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dict[st
             scatter_ms.append(sum(_ms(s) for s in scatter))
             scatter_host_us.append(sum(scatter_host) * 1e6)
     finally:
-        worker.shutdown()
+        worker.close()
     total = nvalues * value_bytes
     host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     dev = torch.empty(total, dtype=torch.uint8, device=where)

@@ -117,5 +117,5 @@ def bench_scatter(runtime: Runtime, args: argparse.Namespace, cuda: bool) -> dic
             row = {"values": nvalues, **_both_ways(worker, values, refs, args.repeat, cuda)}
             rows.append(row)
         finally:
-            worker.shutdown()
+            worker.close()
     return {"kv_scatter": {"layers": len(layers), "blocks_per_value": 1, "rows": rows}}

@@ -323,17 +323,17 @@ def bench_memory(rt: Runtime, outstanding: int) -> dict[str, Any]:
             for i in range(outstanding):
                 client.submit(f"m{i}", keys[i])
             deadline = time.monotonic() + 30
-            while client.counters()["inflight"] < outstanding and time.monotonic() < deadline:
+            while client.held()["inflight"] < outstanding and time.monotonic() < deadline:
                 time.sleep(0.01)
             held = tracemalloc.get_traced_memory()[0] - base
             for i in range(outstanding):
                 client.discard(f"m{i}")
-            while client.counters()["inflight"] and time.monotonic() < deadline:
+            while client.held()["inflight"] and time.monotonic() < deadline:
                 time.sleep(0.01)
             gc.collect()
             left = tracemalloc.get_traced_memory()[0] - base
             tracemalloc.stop()
-            counts = client.counters()
+            counts = client.held()
         finally:
             client.close()
     return {

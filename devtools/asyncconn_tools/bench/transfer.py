@@ -9,7 +9,7 @@ CPU (always):
   of ``poll`` -- the cost vLLM's worker pays.
 - *saver*: ``SaveTracker.submit`` latency (p50/p99/max) with a store that takes ``--put-latency`` (100 ms)
   per put, in steps of ``--save-batch`` submits followed by ``flush`` (what the adapter's
-  ``wait_for_save`` calls), ``poll_finished`` and a 1 ms pause, as a worker would; the latency of those two
+  ``wait_for_save`` calls), ``poll`` and a 1 ms pause, as a worker would; the latency of those two
   calls beside a bare ``runtime.submit`` of an empty coroutine at the same moment (the floor of any
   hand-off to the loop); and saves/s through the tracker against one ``runtime.run`` of a batch put. Both
   snapshot modes, alternating round by round: the copy thread (``saver_cpu``, the CPU default) and the
@@ -55,10 +55,10 @@ from asyncconn.transfer import (
     CpuDevice,
     CudaDevice,
     LoadResult,
-    NewTensor,
     PinnedPool,
     SaveTracker,
     StreamLoader,
+    TensorSpec,
 )
 from asyncconn.transfer._device import CopyPairs, Event
 from asyncconn_tools.bench.gpu import spin
@@ -139,13 +139,13 @@ def _drain_saves(
     """Poll until every request is reported, adding the ids to ``seen`` (and report lags to ``lag``)."""
 
     def step() -> bool:
-        done = tracker.poll_finished()
+        done = tracker.poll()
         now = time.perf_counter()
         seen.update(done)
         if started is not None and lag is not None:
             lag.extend(now - started[r] for r in done)
         time.sleep(0.001)
-        return tracker.counters()["requests"] == 0
+        return tracker.held()["requests"] == 0
 
     _poll_until(step)
 
@@ -170,7 +170,7 @@ def _bench_loader(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         for key in keys:
             t = time.perf_counter()
-            loader.submit(key, NewTensor((numel,), torch.float32))
+            loader.submit(key, TensorSpec((numel,), torch.float32))
             submit_s.append(time.perf_counter() - t)
         while got < len(keys):
             t = time.perf_counter()
@@ -238,7 +238,7 @@ def _bench_prefix(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
                 store.backend.batch_reads = grouped  # type: ignore[misc]  # this instance only
                 landed[0] = 0
                 t0 = time.perf_counter()
-                loader.submit_many((k, NewTensor((numel,), torch.float32)) for k in keys)
+                loader.submit_many((k, TensorSpec((numel,), torch.float32)) for k in keys)
                 while landed[0] < len(keys):
                     loader.wait(1.0, first=True)
                     loader.poll(scatter)
@@ -314,7 +314,7 @@ def _saver_round(
                 call()
                 samples.append(time.perf_counter() - t)
             t = time.perf_counter()
-            done = tracker.poll_finished()
+            done = tracker.poll()
             now = time.perf_counter()
             out.poll.append(now - t)
             out.report.extend(now - started[r] for r in done)
@@ -377,8 +377,8 @@ def _bench_saver(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
             "flush_p99_us": _us(_pct(m.flush, 99)),
             "bare_runtime_submit_p50_us": _us(_pct(m.bare, 50)),
             "bare_runtime_submit_p99_us": _us(_pct(m.bare, 99)),
-            "poll_finished_p50_us": _us(_pct(m.poll, 50)),
-            "poll_finished_p99_us": _us(_pct(m.poll, 99)),
+            "poll_p50_us": _us(_pct(m.poll, 50)),
+            "poll_p99_us": _us(_pct(m.poll, 99)),
             "request_reported_after_ms_p50": round(_pct(m.report, 50) * 1e3, 1) if m.report else None,
             "tracker_saves_per_s_no_latency": round(n / statistics.median(m.tracker_s)),
             "batch_put_saves_per_s_no_latency": round(n / direct_med),
@@ -435,7 +435,7 @@ def _bench_gpu(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
             end.synchronize()  # type: ignore[no-untyped-call]
             raw_ms.append(start.elapsed_time(end))
             device.spans.clear()
-            loader.submit(f"gpu{size}", NewTensor((size,), torch.uint8))
+            loader.submit(f"gpu{size}", TensorSpec((size,), torch.uint8))
             (result,) = _next_results(loader)
             if not result.ok:
                 raise RuntimeError(f"benchmark load failed: {result.failure}: {result.detail}")
@@ -463,7 +463,7 @@ def _bench_gpu(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         compute_ms.append((time.perf_counter() - t0) * 1e3)
 
-        loader.submit(f"gpu{size}", NewTensor((size,), torch.uint8))
+        loader.submit(f"gpu{size}", TensorSpec((size,), torch.uint8))
         _poll_until(lambda: bool(loader._fetched))  # fetched into staging; the copy is issued by poll()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -471,7 +471,7 @@ def _bench_gpu(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         copy_ms.append((time.perf_counter() - t0) * 1e3)
 
-        loader.submit(f"gpu{size}", NewTensor((size,), torch.uint8))
+        loader.submit(f"gpu{size}", TensorSpec((size,), torch.uint8))
         _poll_until(lambda: bool(loader._fetched))
         torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -73,7 +73,7 @@ def check_embeddings(sim: Any, request_id: str, rows: dict[str, int], hidden: in
 
 
 def connector_leaks(sim: Any, settle: float = 5.0) -> list[str]:
-    """The simulator's leak check plus every connector side's ``counters()`` (scheduler, workers) at zero.
+    """The simulator's leak check plus every connector side's ``held()`` (scheduler, workers) at zero.
 
     ``settle``: a discarded lookup's or a cancelled load's store call runs to its end on the loop; give
     those up to this long to hand their state back before calling it a leak.
@@ -107,8 +107,8 @@ _NOT_HELD = frozenset({"pushing", "pending_drops"})
 
 
 def _held(side: Any) -> dict[str, int]:
-    """``side.counters()`` (what every connector side holds now) without the zeros and the bookkeeping."""
-    return {k: v for k, v in side.counters().items() if v and k not in _NOT_HELD}
+    """``side.held()`` (what every connector side holds now) without the zeros and the bookkeeping."""
+    return {k: v for k, v in side.held().items() if v and k not in _NOT_HELD}
 
 
 class ProcessCensus:

@@ -372,7 +372,7 @@ def _deliver_pending_drops(run: _Run, engines: dict[str, Any]) -> None:
     behaviour, not a leak. The leak check runs after that next step, which this provides.
     """
     for name, sim in engines.items():
-        if name == "E" or not sim.scheduler.ec_connector.scheduler_side.counters().get("pending_drops"):
+        if name == "E" or not sim.scheduler.ec_connector.scheduler_side.held().get("pending_drops"):
             continue
         sim.add_request(f"chaos-flush-{name}", list(range(20)), max_tokens=1)
         for _ in range(1000):
@@ -509,7 +509,7 @@ def _final_figures(run: _Run, engines: dict[str, Any]) -> None:
     for name, sim in engines.items():
         if name != "E":
             report.ec_stats.update(
-                {k: int(v) for k, v in sim.scheduler.ec_connector.scheduler_side.stats().items()}
+                {k: int(v) for k, v in sim.scheduler.ec_connector.scheduler_side.totals().items()}
             )
     ec = report.ec_stats
     report.recoveries = {

@@ -105,7 +105,7 @@ def run_ec_demo(
                 value = stored.get(prefix + item.identifier)
                 if value is None or not torch.equal(used[item.identifier], value):
                     used_ok = False
-        pd_stats = dict(pd.scheduler.ec_connector.scheduler_side.stats())
+        pd_stats = dict(pd.scheduler.ec_connector.scheduler_side.totals())
         saver = e.workers[0].ec_connector.worker_side.saver
         loaded_bytes = pd_stats.get("loaded_bytes", 0)
         saved_bytes = saver.saved_bytes if saver is not None else 0
@@ -146,9 +146,7 @@ def run_ec_demo(
             "E leak check (requests, queues, encoder cache, KV blocks)": e.leak_check() == [],
             "PD leak check (requests, queues, encoder cache, KV blocks)": pd.leak_check() == [],
             "PD connector holds nothing": not any(
-                v
-                for k, v in pd.scheduler.ec_connector.scheduler_side.counters().items()
-                if k != "pending_drops"
+                v for k, v in pd.scheduler.ec_connector.scheduler_side.held().items() if k != "pending_drops"
             ),
         }
         return {"title": "EC: encoder (E) -> prefill/decode (PD)", "figures": figures, "checks": checks}

@@ -87,8 +87,8 @@ def ec_part(backend_url: str, workdir: Path) -> dict[str, Any]:
                 worker = probe.ec_worker_connector().worker_side
                 worker.poll()
                 scheduler = probe.ec_scheduler_connector().scheduler_side
-                out["idle"] = _idle(scheduler.counters()) and _idle(worker.counters())
-                stats = scheduler.stats()
+                out["idle"] = _idle(scheduler.held()) and _idle(worker.held())
+                stats = scheduler.totals()
                 out["released"] = stats["encode_stalled"] + stats["encode_budget"]
                 out["loaded"] = worker.loader.loaded if worker.loader else 0
                 out["loaded_bytes"] = worker.loader.loaded_bytes if worker.loader else 0
@@ -188,8 +188,8 @@ def kv_part(backend_url: str, workdir: Path) -> dict[str, Any]:
             worker = probe.kv_worker_connector()
             if worker is not None:
                 side = worker.worker_side
-                out["idle"] = _idle(side.counters()) and _idle(
-                    probe.kv_scheduler_connector().scheduler_side.counters()
+                out["idle"] = _idle(side.held()) and _idle(
+                    probe.kv_scheduler_connector().scheduler_side.held()
                 )
                 out["saved"] = side.saver.saved
                 out["loaded"] = side.loader.loaded

@@ -56,7 +56,7 @@ def hybrid_part(backend_url: str, workdir: Path) -> dict[str, Any]:
             if worker is not None:
                 side = worker.worker_side
                 scheduler = probe.kv_scheduler_connector().scheduler_side
-                out["idle"] = not any(side.counters().values()) and not any(scheduler.counters().values())
+                out["idle"] = not any(side.held().values()) and not any(scheduler.held().values())
                 out["saved"], out["loaded"] = side.saver.saved, side.loader.loaded
             return out
         finally:

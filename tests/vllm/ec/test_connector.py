@@ -59,16 +59,16 @@ def workers(sim: EngineSim) -> list[Any]:
 
 def stats(sim: EngineSim) -> dict[str, int]:
     """Every event the scheduler side has counted (its own and the workers' reports)."""
-    return dict(sched(sim).stats())
+    return dict(sched(sim).totals())
 
 
 def assert_no_leaks(sim: EngineSim) -> None:
     assert sim.leak_check() == []
-    held = {k: v for k, v in sched(sim).counters().items() if v and k != "pushing"}
+    held = {k: v for k, v in sched(sim).held().items() if v and k != "pushing"}
     assert held == {}, held
     for worker in workers(sim):
         worker.poll()
-        held = {k: v for k, v in worker.counters().items() if v}
+        held = {k: v for k, v in worker.held().items() if v}
         assert held == {}, held
 
 
@@ -330,7 +330,7 @@ def test_abort_while_the_lookup_is_pending(make_sim: Any) -> None:
     assert sched(pd).item_state("img-abort-lookup") is ItemState.LOOKUP
     assert pd.abort("r1")
     run(pd)
-    assert sched(pd).lookup.counters()["entries"] == 0
+    assert sched(pd).lookup.held()["entries"] == 0
     assert pd.encoder_runs() == []
     assert_no_leaks(pd)
 
@@ -349,7 +349,7 @@ def test_abort_while_the_prefetch_is_in_flight(make_sim: Any) -> None:
         time.sleep(0.002)
     assert sched(pd).item_state("img-abort-fetch") is ItemState.ORDERED
     pd.step()
-    assert workers(pd)[0].counters()["loading"] == 1
+    assert workers(pd)[0].held()["loading"] == 1
     assert pd.abort("r1")
     run(pd)  # the busy request keeps stepping: the drop reaches the worker, which cancels the load
     c = stats(pd)
@@ -583,7 +583,7 @@ def test_producer_saves_once_and_never_delays_the_free(make_sim: Any) -> None:
     worker = workers(e)[0]
     # The scheduler saw the item in the store; the worker counts the finished put on its next poll.
     assert settled_saver(worker, lambda saver: saver.saved == 1)
-    assert sched(e).stats()["saves_confirmed"] == 1
+    assert sched(e).totals()["saves_confirmed"] == 1
     e2 = make_sim(ec=spec("ec_producer", url))  # a second E: the store already has it
     e2.add_request("c", prompt(32), mm_items=[img])
     run(e2, pause=0.001)
@@ -597,7 +597,7 @@ def settled_saver(worker: Any, done: Any) -> bool:
     while not done(worker.saver):
         if time.monotonic() > deadline:
             return False
-        worker.saver.poll_finished()
+        worker.saver.poll()
         time.sleep(0.001)
     return True
 

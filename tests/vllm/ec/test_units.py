@@ -77,7 +77,7 @@ def test_prefetch_then_install_hands_over_the_staged_tensor(
     assert cache["img-a"] is staged  # no copy on the forward path
     assert torch.equal(cache["img-a"], emb)
     assert worker.report().stats["installs_staged"] == 1
-    assert all(v == 0 for v in worker.counters().values())
+    assert all(v == 0 for v in worker.held().values())
     worker.close()
 
 
@@ -103,7 +103,7 @@ def test_install_without_prefetch_loads_synchronously(runtime: Runtime, store: T
     worker.start_load_caches(cache, ECStepMetadata(install=[ItemRef("img-s", 6)]))
     assert torch.equal(cache["img-s"], emb)
     assert worker.report().stats["installs_sync"] == 1
-    assert all(v == 0 for v in worker.counters().values())
+    assert all(v == 0 for v in worker.held().values())
     worker.close()
 
 
@@ -130,13 +130,13 @@ def test_failed_loads_are_reported_never_installed(
     worker.start_load_caches(cache, ECStepMetadata(prefetch=[ItemRef("img-f", 6)]))
     assert settle(worker, {"img-f"}).failed == {"img-f": reason}
     deadline = time.monotonic() + 5
-    while worker.counters()["deletes"] and time.monotonic() < deadline:
+    while worker.held()["deletes"] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert runtime.run(store.exists(["img-f"]), 5) == [then != "miss"]
     worker.start_load_caches(cache, ECStepMetadata(install=[ItemRef("img-f", 6)]))  # sync path fails too
     assert "img-f" not in cache
     assert worker.report().failed == {"img-f": then}
-    assert all(v == 0 for v in worker.counters().values())
+    assert all(v == 0 for v in worker.held().values())
     worker.close()
 
 
@@ -148,10 +148,10 @@ def test_sync_install_is_bounded_by_load_timeout(runtime: Runtime, url: str) -> 
     assert time.monotonic() - started < 1.5
     assert cache == {} and worker.report().failed == {"img-slow": "timeout"}
     deadline = time.monotonic() + 5
-    while any(worker.counters().values()) and time.monotonic() < deadline:
+    while any(worker.held().values()) and time.monotonic() < deadline:
         worker.poll()
         time.sleep(0.01)
-    assert all(v == 0 for v in worker.counters().values())
+    assert all(v == 0 for v in worker.held().values())
     worker.close()
 
 
@@ -163,16 +163,16 @@ def test_drop_frees_staged_and_in_flight_prefetches(runtime: Runtime, store: Ten
     settle(worker, {"img-d1"})
     slow = make_worker(runtime, url + "?latency=300ms")
     slow.start_load_caches(cache, ECStepMetadata(prefetch=[ItemRef("img-d1", 4)]))
-    assert slow.counters()["loading"] == 1
+    assert slow.held()["loading"] == 1
     for w in (worker, slow):
         w.start_load_caches(cache, ECStepMetadata(drop=["img-d1"]))
         assert w.report().stats["prefetch_dropped"] == 1
     deadline = time.monotonic() + 5
-    while any(slow.counters().values()) and time.monotonic() < deadline:
+    while any(slow.held().values()) and time.monotonic() < deadline:
         slow.poll()
         time.sleep(0.01)
     for w in (worker, slow):
-        assert all(v == 0 for v in w.counters().values()), w.counters()
+        assert all(v == 0 for v in w.held().values()), w.held()
         w.close()
     assert cache == {}
 
@@ -184,11 +184,11 @@ def test_prefetch_of_an_item_already_cached_is_ready_at_once_and_held(runtime: R
     cache = {"img-here": here}
     worker.start_load_caches(cache, ECStepMetadata(prefetch=[ItemRef("img-here", 2)]))
     assert set(worker.report().ready) == {"img-here"}
-    assert worker.counters()["loading"] == 0 and worker.counters()["staged"] == 1
+    assert worker.held()["loading"] == 0 and worker.held()["staged"] == 1
     cache.clear()  # vLLM evicted it (free_encoder_mm_hashes) before the request was admitted
     worker.start_load_caches(cache, ECStepMetadata(install=[ItemRef("img-here", 2)]))
     assert cache["img-here"] is here
-    assert all(v == 0 for v in worker.counters().values())
+    assert all(v == 0 for v in worker.held().values())
     worker.close()
 
 
@@ -316,7 +316,7 @@ def test_found_item_is_prefetched_then_admitted_when_every_worker_is_ready(
     s.update_state_after_alloc(req, 0)
     assert s.build_connector_meta(step(8)).install == [ItemRef("img-x", 4)]
     assert s.request_finished(req) == (False, None)
-    assert all(v == 0 for v in s.counters().values())
+    assert all(v == 0 for v in s.held().values())
 
 
 def test_items_before_num_computed_tokens_are_ignored(make_scheduler: Any) -> None:
@@ -324,7 +324,7 @@ def test_items_before_num_computed_tokens_are_ignored(make_scheduler: Any) -> No
     req = request("r1", ("img-early", 0, 8))
     assert s.ensure_cache_available(req, 8) is True  # nothing at or beyond token 8
     s.request_finished(req)
-    assert all(v == 0 for v in s.counters().values())
+    assert all(v == 0 for v in s.held().values())
 
 
 def make_ready(s: ECSchedulerSide, req: Any, *workers: str) -> None:
@@ -353,7 +353,7 @@ def test_install_failure_fails_the_requests_that_need_the_item(
     assert s.take_unavailable_requests() == {"r1"}
     assert s.take_unavailable_requests() == set()
     s.request_finished(req)
-    assert all(v == 0 for v in s.counters().values())
+    assert all(v == 0 for v in s.held().values())
 
 
 def test_has_cache_item_only_for_items_every_worker_staged(
@@ -380,7 +380,7 @@ def test_has_cache_item_only_for_items_every_worker_staged(
     assert s.has_cache_item("img-h")
     s.request_finished(req)
     assert s.build_connector_meta(step(8)).drop == ["img-h"]
-    assert all(v == 0 for v in s.counters().values())
+    assert all(v == 0 for v in s.held().values())
 
 
 def test_stalled_engine_releases_one_request_per_step_to_the_encoder(
@@ -399,13 +399,13 @@ def test_stalled_engine_releases_one_request_per_step_to_the_encoder(
     assert s.item_state("img-s1") is ItemState.MISS and not s.has_cache_item("img-s1")
     assert s.ensure_cache_available(r2, 0) is False  # looked up
     assert s.ensure_cache_available(r2, 0) is False  # found, but one release per schedule() pass
-    assert s.stats()["encode_stalled"] == 1
+    assert s.totals()["encode_stalled"] == 1
     s.update_state_after_alloc(r1, 0)  # vLLM planned the encoder for it
     assert s.build_connector_meta(step(2)).prefetch == [ItemRef("img-s2", 2)]  # the released step
     for r in (r1, r2):
         s.request_finished(r)
     assert s.build_connector_meta(step(8)).drop == ["img-s2"]
-    assert all(v == 0 for v in s.counters().values())
+    assert all(v == 0 for v in s.held().values())
 
 
 def test_workers_on_empty_steps_get_orders_and_nothing_is_released(
@@ -418,10 +418,10 @@ def test_workers_on_empty_steps_get_orders_and_nothing_is_released(
     assert wait_answer(s, req) is False  # stalled-looking engine, but the workers run: wait
     meta = s.build_connector_meta(step(0))
     assert meta.prefetch == [ItemRef("img-v2", 2)] and meta.step_tokens == 0
-    assert s.ensure_cache_available(req, 0) is False and s.stats()["encode_stalled"] == 0
+    assert s.ensure_cache_available(req, 0) is False and s.totals()["encode_stalled"] == 0
     s.request_finished(req)
     s.build_connector_meta(step(0))
-    assert all(v == 0 for v in s.counters().values())
+    assert all(v == 0 for v in s.held().values())
 
 
 def test_preempted_request_looks_its_items_up_again(
@@ -439,11 +439,11 @@ def test_preempted_request_looks_its_items_up_again(
     runtime.run(store.delete(["img-p1"]), 5)  # the store loses it while the request runs
     req.num_preemptions = 1  # vLLM preempted it: its encoder input was freed
     assert s.ensure_cache_available(req, 0) is False  # asked again, not trusted
-    assert s.stats()["readmissions"] == 1
+    assert s.totals()["readmissions"] == 1
     assert wait_answer(s, req) is True and s.item_state("img-p1") is ItemState.MISS  # now a miss: encode
     assert not s.has_cache_item("img-p1")
     s.request_finished(req)
-    assert all(v == 0 for v in s.counters().values())
+    assert all(v == 0 for v in s.held().values())
 
 
 def test_failed_prefetch_becomes_a_miss_and_other_copies_are_dropped(
@@ -459,7 +459,7 @@ def test_failed_prefetch_becomes_a_miss_and_other_copies_are_dropped(
     assert s.ensure_cache_available(req, 0) is True and not s.has_cache_item("img-z")  # encoder runs
     assert s.build_connector_meta(step(8)).drop == ["img-z"]
     s.request_finished(req)
-    assert all(v == 0 for v in s.counters().values())
+    assert all(v == 0 for v in s.held().values())
 
 
 def test_staging_budget_full_sends_the_item_to_the_encoder_instead_of_waiting(
@@ -473,11 +473,11 @@ def test_staging_budget_full_sends_the_item_to_the_encoder_instead_of_waiting(
     wait_answer(s, r1)
     s.build_connector_meta(step(8))  # img-b1 ordered: the budget is full
     assert wait_answer(s, r2) is True and s.item_state("img-b2") is ItemState.MISS
-    assert not s.has_cache_item("img-b2") and s.stats()["encode_budget"] == 1
+    assert not s.has_cache_item("img-b2") and s.totals()["encode_budget"] == 1
     for r in (r1, r2):
         s.request_finished(r)
     assert s.build_connector_meta(step(8)).drop == ["img-b1"]
-    assert all(v == 0 for v in s.counters().values())
+    assert all(v == 0 for v in s.held().values())
 
 
 def test_producer_reports_saving_items_and_confirms_them_in_the_store(
@@ -493,7 +493,7 @@ def test_producer_reports_saving_items_and_confirms_them_in_the_store(
     deadline = time.monotonic() + 5
     while s.has_pending_push_work():
         assert time.monotonic() < deadline
-    assert s.stats()["saves_confirmed"] == 1
+    assert s.totals()["saves_confirmed"] == 1
     aborted = request("e2", ("img-q", 0, 4), status="FINISHED_ABORTED")
     assert s.request_finished(aborted) == (False, None)
 
@@ -504,8 +504,8 @@ def test_unconfirmed_save_stops_holding_the_engine_after_the_deadline(make_sched
     deadline = time.monotonic() + 5
     while s.has_pending_push_work():
         assert time.monotonic() < deadline
-    assert s.stats()["saves_unconfirmed"] == 1
-    assert all(v == 0 for v in s.counters().values())
+    assert s.totals()["saves_unconfirmed"] == 1
+    assert all(v == 0 for v in s.held().values())
 
 
 def test_worker_reports_merge_per_worker() -> None:
@@ -533,16 +533,16 @@ def test_an_announced_item_that_never_lands_is_polled_with_backoff(runtime: Runt
         assert wait_answer(s, req) is False and s.item_state("img-never") is ItemState.ARRIVING
         while now[0] < 103.5 and s.item_state("img-never") is ItemState.ARRIVING:
             now[0] += 0.001  # a 1 ms engine step
-            asked, answered = s.stats()["lookups"], lookup.metrics.completed
+            asked, answered = s.totals()["lookups"], lookup.metrics.completed
             admitted = s.ensure_cache_available(req, 0)
             assert admitted is (s.item_state("img-never") is ItemState.MISS)  # True only once it gave up
             deadline = time.monotonic() + 5  # a hang guard
-            while s.stats()["lookups"] > asked and lookup.metrics.completed == answered:
+            while s.totals()["lookups"] > asked and lookup.metrics.completed == answered:
                 assert time.monotonic() < deadline
                 time.sleep(0.0005)  # each look is a real store call: let the loop answer it
         assert s.item_state("img-never") is ItemState.MISS  # gave up at the deadline: the encoder runs
-        assert s.stats()["arrival_timeouts"] == 1
-        assert 10 <= s.stats()["lookups"] <= 45, s.stats()["lookups"]  # 3 s of 1 ms steps: ~35, never ~600
+        assert s.totals()["arrival_timeouts"] == 1
+        assert 10 <= s.totals()["lookups"] <= 45, s.totals()["lookups"]  # 3 s of 1 ms steps: ~35, never ~600
     finally:
         s.close()
 

@@ -128,7 +128,7 @@ def test_abort_during_load(make_sim: Any) -> None:
             break
         time.sleep(0.002)
     worker = sim.workers[0].kv_connector.worker_side
-    assert worker.counters()["fetches"] > 0  # the load is in flight (the store sleeps 150 ms)
+    assert worker.held()["fetches"] > 0  # the load is in flight (the store sleeps 150 ms)
     assert sim.abort("b")
     assert "b" in sim.scheduler.requests  # blocks held: a load may still write them
     records = run_checked(sim)
@@ -154,7 +154,7 @@ def test_abort_during_save_holds_blocks_until_saved(make_sim: Any) -> None:
         sim.step()
         time.sleep(0.002)
     saver = sim.workers[0].kv_connector.worker_side.saver
-    assert saver.counters()["futures_pending"] or saver.counters()["requests"]  # saves in flight
+    assert saver.held()["futures_pending"] or saver.held()["requests"]  # saves in flight
     assert sim.abort("s")
     assert "s" in sim.scheduler.requests
     records = run_checked(sim)
@@ -466,7 +466,7 @@ def test_tp_abort_after_one_rank_reported_its_load(make_sim: Any) -> None:
     sim.add_request("b", tokens, max_tokens=2)
     for _ in range(500):
         sim.step()
-        if fast.counters()["req_loads"] == 0 and slow.counters()["req_loads"] == 1:
+        if fast.held()["req_loads"] == 0 and slow.held()["req_loads"] == 1:
             break
         time.sleep(0.002)
     assert _waiting_for_kv(sim, "b")  # rank 0 reported, the merged output has not

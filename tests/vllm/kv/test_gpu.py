@@ -104,7 +104,7 @@ def test_a_batch_scatters_as_one_scatter_per_value_would() -> None:
         for n, c in caches.items():
             assert torch.equal(batched[n], c), n
             assert not torch.equal(c, before[n])
-        worker.shutdown()
+        worker.close()
     finally:
         runtime.close()
 
@@ -151,7 +151,7 @@ def test_saves_and_loads_never_wait_for_the_default_stream() -> None:
         for n, c in caches.items():
             for v, b in enumerate(targets):
                 assert torch.equal(c[:, list(b)], saved[n][v]), (n, b)
-        worker.shutdown()
-        assert not any(worker.counters().values()), worker.counters()
+        worker.close()
+        assert not any(worker.held().values()), worker.held()
     finally:
         runtime.close()

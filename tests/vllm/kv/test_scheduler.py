@@ -73,7 +73,7 @@ def h(runtime: Any) -> Iterator[Harness]:
     try:
         yield harness
     finally:
-        harness.side.shutdown()
+        harness.side.close()
 
 
 def test_deferred_until_answered_then_kept_until_allocation(h: Harness) -> None:
@@ -93,7 +93,7 @@ def test_deferred_until_answered_then_kept_until_allocation(h: Harness) -> None:
     assert h.side.build_connector_meta(_output(finished=frozenset({"r"}))).finished_via_recv == frozenset(
         {"r"}
     )
-    assert not any(h.side.counters().values())
+    assert not any(h.side.held().values())
 
 
 def test_preempted_request_asks_the_store_anew(h: Harness) -> None:
@@ -107,7 +107,7 @@ def test_preempted_request_asks_the_store_anew(h: Harness) -> None:
     h.answer_all(1)  # the store changed meanwhile
     assert h.side.get_num_new_matched_tokens(request, 0) == (16, True)
     h.side.request_finished(request)
-    assert not any(h.side.counters().values())
+    assert not any(h.side.held().values())
 
 
 def test_late_answer_of_an_aborted_lookup_is_never_served(h: Harness) -> None:
@@ -120,7 +120,7 @@ def test_late_answer_of_an_aborted_lookup_is_never_served(h: Harness) -> None:
     again = _request("a")  # the same id reused later is a new request
     assert h.side.get_num_new_matched_tokens(again, 0) == (None, False)
     h.side.request_finished(again)
-    wait_until(lambda: not any(h.side.counters().values()))
+    wait_until(lambda: not any(h.side.held().values()))
 
 
 def test_nothing_asked_when_the_local_cache_covers_the_usable_prefix(h: Harness) -> None:
@@ -161,7 +161,7 @@ def test_an_idle_step_waits_for_outstanding_lookups_a_busy_step_never(h: Harness
     if not h.client.outstanding():
         assert h.side.get_num_new_matched_tokens(request, 0) == (96, True)  # 6 usable values, all there
     h.side.request_finished(request)
-    assert not any(h.side.counters().values())
+    assert not any(h.side.held().values())
 
 
 def test_idle_wait_is_bounded_when_the_store_never_answers(h: Harness) -> None:
@@ -180,7 +180,7 @@ def test_idle_wait_is_bounded_when_the_store_never_answers(h: Harness) -> None:
     assert IDLE_WAIT_S * 0.9 <= elapsed < 1.0
     h.side.request_finished(request)
     h.answer_all()  # the late answer of the discarded lookup is dropped
-    assert not any(h.side.counters().values())
+    assert not any(h.side.held().values())
 
 
 def test_stats_is_none_and_allocates_nothing_on_a_quiet_step(h: Harness) -> None:
@@ -224,7 +224,7 @@ def test_values_in_the_local_prefix_cache_are_not_saved_again(h: Harness, local:
     saved = [ref.value_hash for spec in meta.saves for ref in spec.values]
     assert saved == HASHES[local // 16 : 6]
     assert h.side.request_finished(request) == (local < 96, None)  # holds its blocks only for saves
-    assert not any(h.side.counters().values()), h.side.counters()
+    assert not any(h.side.held().values()), h.side.held()
 
 
 def test_a_local_hit_evicted_before_allocation_is_saved_after_all(h: Harness) -> None:
@@ -238,7 +238,7 @@ def test_a_local_hit_evicted_before_allocation_is_saved_after_all(h: Harness) ->
     meta = h.side.build_connector_meta(_scheduled_new("e", list(range(10, 17)), 0, 100))
     assert [ref.value_hash for spec in meta.saves for ref in spec.values] == HASHES[:6]
     h.side.request_finished(request)
-    assert not any(h.side.counters().values()), h.side.counters()
+    assert not any(h.side.held().values()), h.side.held()
 
 
 def test_sync_loads_run_at_once_end_with_their_step_and_lower_what_is_stored_when_they_fail(
@@ -295,6 +295,6 @@ def test_sync_loads_run_at_once_end_with_their_step_and_lower_what_is_stored_whe
         assert h.side.request_finished(other) == (False, None)
         h.side.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set()))
         assert not h.side.build_connector_meta(_output(finished=frozenset({"t"}))).finished_via_recv
-        assert not any(h.side.counters().values()), h.side.counters()
+        assert not any(h.side.held().values()), h.side.held()
     finally:
-        h.side.shutdown()
+        h.side.close()

@@ -63,17 +63,15 @@ def leaks(sim: Any) -> list[str]:
     problems = list(sim.leak_check())
     side = sim.scheduler.connector.scheduler_side
     deadline = time.monotonic() + 5.0
-    while (
-        any(v for k, v in side.counters().items() if k.startswith("lookup_")) and time.monotonic() < deadline
-    ):
+    while any(v for k, v in side.held().items() if k.startswith("lookup_")) and time.monotonic() < deadline:
         time.sleep(0.01)  # a discarded lookup's store call still runs to its end; its answer is dropped
-    problems += [f"scheduler {k}={v}" for k, v in side.counters().items() if v]
+    problems += [f"scheduler {k}={v}" for k, v in side.held().items() if v]
     for worker in sim.workers:
         side_w = worker.kv_connector.worker_side
-        while any(side_w.counters().values()) and time.monotonic() < deadline:
+        while any(side_w.held().values()) and time.monotonic() < deadline:
             side_w.poll()  # cancelled fetches hand their staging back once their loop task has stopped
             time.sleep(0.01)
-        counts = side_w.counters()
+        counts = side_w.held()
         problems += [f"worker {worker.rank} {k}={v}" for k, v in counts.items() if v]
     return problems
 

@@ -30,7 +30,7 @@ LAYERS = [f"layer.{i}" for i in range(3)]
 NUM_BLOCKS = 32
 
 
-class _NoNewTensors(CpuDevice):
+class _NoTensorSpecs(CpuDevice):
     """Refuses the per-value tensor a load used to be copied into before its scatter."""
 
     def empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -64,7 +64,7 @@ def _worker(
     worker = KVWorkerSide(
         keys,
         store=store,
-        loader=StreamLoader(store, runtime=runtime, device=_NoNewTensors(), pool=pool),
+        loader=StreamLoader(store, runtime=runtime, device=_NoTensorSpecs(), pool=pool),
         saver=SaveTracker(store, runtime=runtime, device=CpuDevice(), pool=pool),
         runtime=runtime,
         layers=LAYERS,
@@ -138,8 +138,8 @@ def test_loaded_values_land_bytes_exact_from_staging(
     # an index tensor only for its positions and for runs of block ids that are not consecutive
     assert gathers == (len(LAYERS) if bpv > 1 else 0)
     assert index_tensors == (0 if bpv == 1 else 1 if ascending else 3)
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
 
 
 def test_a_cpu_engines_loads_are_issued_at_bind_once_before_the_forward(
@@ -180,8 +180,8 @@ def test_a_cpu_engines_loads_are_issued_at_bind_once_before_the_forward(
     _receive(worker, "s")
     for i, name in enumerate(LAYERS):
         assert torch.equal(caches[name][6], value[i, 0])
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
 
 
 # -- in place: a host cache and a store that serves reads from memory (file://'s page cache) -----------------
@@ -232,11 +232,11 @@ def test_in_place_loads_land_bytes_exact_in_the_cache(
     stats = worker._stats.data
     assert stats["loads_in_place"] == 2 and stats["load_failures"] == 1
     deadline = time.monotonic() + 10
-    while worker.counters()["deletes"] and time.monotonic() < deadline:  # the corrupt value's removal
+    while worker.held()["deletes"] and time.monotonic() < deadline:  # the corrupt value's removal
         time.sleep(0.001)
     assert not worker.store.backend.path_for(keys.store_key(hashes[3], 0)).exists()  # type: ignore[attr-defined]
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
 
 
 @pytest.mark.parametrize("bpv", [1, 3])
@@ -262,7 +262,7 @@ def test_in_place_loads_with_k_and_v_apart_land_in_each_half(
             assert torch.equal(caches[name][:, b], value[i, :, j]), (name, j)
     untouched = [b for b in range(NUM_BLOCKS) if b not in ids]
     assert all(not caches[n][:, untouched].any() for n in LAYERS)
-    worker.shutdown()
+    worker.close()
 
 
 def test_a_request_finished_while_its_in_place_read_runs_is_reported_after_the_read(
@@ -293,9 +293,9 @@ def test_a_request_finished_while_its_in_place_read_runs_is_reported_after_the_r
     release.set()
     _receive(worker, "r")
     assert worker.get_block_ids_with_load_errors() == set()
-    assert worker.counters()["fetches"] == 0 and worker.counters()["req_loads"] == 0
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    assert worker.held()["fetches"] == 0 and worker.held()["req_loads"] == 0
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
 
 
 @pytest.mark.parametrize("where", ["file", "memory"])
@@ -352,8 +352,8 @@ def test_a_sync_load_is_in_when_start_load_kv_returns_and_a_failed_one_fails_the
     assert runtime.run(worker.store.exists([keys.store_key(b"\x0b" * 32, 0)])) == [True]
     while worker.get_finished({"p"})[0] != {"p"} and time.monotonic() < deadline:
         time.sleep(0.001)
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
 
 
 def test_a_sync_load_past_its_timeout_fails_its_blocks_after_the_in_place_read_ends(
@@ -384,8 +384,8 @@ def test_a_sync_load_past_its_timeout_fails_its_blocks_after_the_in_place_read_e
     worker.save(meta)
     assert worker.get_block_ids_with_load_errors() == {5}
     assert worker.get_finished(set(), step_tokens=9) == (None, None)
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
 
 
 def _slow_reads(monkeypatch: pytest.MonkeyPatch, worker: KVWorkerSide, seconds: float) -> list[int]:
@@ -437,8 +437,8 @@ def test_a_load_queued_behind_others_does_not_time_out_while_the_store_answers(
     assert running[1] == 1  # one read at a time: the values queued behind each other
     stats = worker.stats()
     assert stats is not None and not stats.data.get("load_failures")
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
 
 
 def test_a_load_whose_store_call_hangs_times_out_after_load_timeout(
@@ -455,8 +455,8 @@ def test_a_load_whose_store_call_hangs_times_out_after_load_timeout(
     _receive(worker, "r")
     assert 0.3 <= time.monotonic() - t0 < 2.5
     assert worker.get_block_ids_with_load_errors() == {1, 2}
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
 
 
 def test_shutdown_bounds_the_wait_for_saves_and_says_how_many_it_abandoned(
@@ -479,14 +479,14 @@ def test_shutdown_bounds_the_wait_for_saves_and_says_how_many_it_abandoned(
     worker.save(meta)
     t0 = time.monotonic()
     with caplog.at_level("INFO", logger="asyncconn.vllm.kv.worker"):
-        worker.shutdown(timeout=0.3)
+        worker.close(timeout=0.3)
     assert time.monotonic() - t0 < 3.0
     lines = [r.getMessage() for r in caplog.records if "KV connector shutdown" in r.getMessage()]
     assert lines == [
         "KV connector shutdown: 3 saves in flight, 0 finished within 0.3s, 3 abandoned (not in the store; "
         "those prompts are computed again on their next request)"
     ]
-    assert not any(worker.counters().values()), worker.counters()
+    assert not any(worker.held().values()), worker.held()
 
 
 @pytest.mark.parametrize("store", ["memory", "file"])
@@ -512,8 +512,8 @@ def test_a_windowed_group_is_not_written_where_it_has_the_null_block(
         assert not caches[name][0].any()  # the null block: untouched
     assert torch.equal(caches["layer.2"][5], value[2, 0]) and torch.equal(caches["layer.2"][6], value[2, 1])
     assert not caches["layer.2"][0].any()
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
 
 
 def test_a_windowed_models_saves_are_gathered_before_save_returns(
@@ -555,5 +555,5 @@ def test_a_windowed_models_saves_are_gathered_before_save_returns(
         time.sleep(0.001)
     got = runtime.run(worker.store.get([keys.store_key(b"\x05" * 32, 0), keys.store_key(b"\x06" * 32, 0)]))
     assert all(g is not None and torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    worker.shutdown()
-    assert not any(worker.counters().values()), worker.counters()
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
