@@ -8,6 +8,10 @@ request used are recorded from the scheduler's output and read right after the r
 contents stay until they are allocated again; the pool is far larger than the three prompts). Engine 1
 computes and saves; a fresh engine 2 loads. Checked against a connector-less reference engine: tokens, and
 every latent block of every prompt byte for byte; vLLM counted every full block as an external hit.
+
+With TP=2 (multiprocess workers, read through ``collective_rpc``; ``slow``) both ranks hold the same latent
+blocks: rank 0 alone saves them (one value per block in the store), and both ranks of a fresh engine load
+that one copy byte-exact.
 """
 
 from __future__ import annotations
@@ -116,3 +120,116 @@ def test_an_mla_models_latent_kv_is_saved_and_loaded_byte_exact(
     # amplify that; the blocks loaded are byte-equal above.
     assert [t[0] for t in tokens] == [t[0] for t in mla_reference["tokens"]]
     assert_idle(probe)
+
+
+# -- tensor parallel: every rank holds the same latent KV, the store holds it once --------------------------
+
+TP2 = {**CPU_MLA, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+def _rank_latent_blocks(worker: Any, block_ids: list[int]) -> dict[str, torch.Tensor]:
+    """In a TP worker process (``collective_rpc``): each layer's latent KV at ``block_ids``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in worker.model_runner.compilation_config.static_forward_context.items():
+        cache = getattr(layer, "kv_cache", None)
+        if isinstance(cache, list | tuple):
+            cache = cache[0] if cache else None
+        if isinstance(cache, torch.Tensor) and cache.numel():
+            out[name] = cache[block_ids].clone()
+    return out
+
+
+def _rank_connector(worker: Any) -> dict[str, int]:
+    """In a TP worker process: the KV connector's rank, save and load totals, and its bookkeeping counts."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group().worker_side
+    side.poll()
+    return {
+        "rank": side.rank,
+        "saved": side.saver.saved,
+        "loaded": side.loader.loaded,
+        "load_failures": int(bool(side.loader.failures)),
+        "held": sum(side.counters().values()),
+    }
+
+
+def run_prompts_tp(llm: Any) -> list[list[dict[str, torch.Tensor]]]:
+    """Generate each prompt alone; per prompt, per rank, each layer's latent KV of its full blocks."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in process; the workers are not
+    original = scheduler.schedule
+    block_ids: dict[tuple[int, ...], list[int]] = {}
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        for new in out.scheduled_new_reqs:
+            block_ids[tuple(new.prompt_token_ids)] = list(new.block_ids[0])
+        return out
+
+    scheduler.schedule = schedule
+    kv: list[list[dict[str, torch.Tensor]]] = []
+    try:
+        for prompt in PROMPTS:
+            generate(llm, [prompt])
+            ids = block_ids[tuple(prompt)][:FULL_BLOCKS]
+            assert len(ids) == FULL_BLOCKS
+            kv.append(llm.collective_rpc(_rank_latent_blocks, args=(ids,)))
+    finally:
+        del scheduler.schedule
+    return kv
+
+
+def _connectors_settled(llm: Any, timeout: float = 60.0) -> list[dict[str, int]]:
+    """Step the engine until it holds no request -- a request whose saves were planned is freed only once
+    *both* ranks reported it in ``finished_sending`` (vLLM's aggregator), rank 1 with nothing saved -- then
+    each rank's connector figures."""
+    import time
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout
+    while scheduler.requests or scheduler.has_requests():
+        assert time.monotonic() < deadline, f"engine still holds {sorted(scheduler.requests)}"
+        llm.llm_engine.step()
+        time.sleep(0.002)
+    ranks: list[dict[str, int]] = llm.collective_rpc(_rank_connector)
+    return ranks
+
+
+@pytest.mark.slow  # two TP=2 engines, multiprocess: about a minute each to start on two busy cores
+@pytest.mark.timeout(600)
+def test_tp2_ranks_store_one_latent_copy_and_both_load_it_byte_exact(
+    mla_model: Path, engines: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=2 (vLLM's multiprocess executor, a CPU core per rank): every rank computes the same latent blocks;
+    rank 0 alone saves them, so engine 1 leaves one value per block (not one per block and rank), and engine
+    2's ranks both load that copy, byte-equal to what engine 1 computed on each rank."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    store = tmp_path / "store"
+    url = f"file://{store}"
+    first = make_llm(mla_model, kv=kv_config(backend_url=url), **TP2)
+    engines.append(first)
+    computed = run_prompts_tp(first)
+    ranks = _connectors_settled(first)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert [r["saved"] for r in ranks] == [len(PROMPTS) * FULL_BLOCKS, 0]  # rank 0 saves, rank 1 does not
+    assert [r["held"] for r in ranks] == [0, 0]  # rank 1 reported its (no) saves finished: nothing held
+    for per_rank in computed:  # the latent KV is the same on both ranks: one copy serves both
+        for name in per_rank[0]:
+            assert torch.equal(per_rank[0][name], per_rank[1][name]), name
+    close_llm(first)
+    engines.remove(first)
+    values = [p for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert len(values) == len(PROMPTS) * FULL_BLOCKS  # one value per block, not one per block and rank
+
+    second = make_llm(mla_model, kv=kv_config(backend_url=url), **TP2)
+    engines.append(second)
+    loaded = run_prompts_tp(second)
+    ranks = _connectors_settled(second)
+    assert all(r["loaded"] == len(PROMPTS) * FULL_BLOCKS and not r["load_failures"] for r in ranks), ranks
+    assert [r["held"] for r in ranks] == [0, 0]
+    for p, (got, want) in enumerate(zip(loaded, computed, strict=True)):
+        for rank in (0, 1):
+            assert got[rank].keys() == want[0].keys()
+            for name in got[rank]:
+                assert got[rank][name].shape == (FULL_BLOCKS, MLA_BLOCK, 576)
+                assert torch.equal(got[rank][name], want[0][name]), (p, rank, name)

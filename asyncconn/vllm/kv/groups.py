@@ -10,6 +10,11 @@ will not read them), and a value is never saved from a null block.
 
 Mamba and other state-space groups keep one running state per request rather than per-block KV; a value
 of blocks cannot hold them, so such models are refused at start-up.
+
+MLA groups (DeepSeek-V2/V3 latent KV) hold one latent row per token and layer, not a slice of the heads:
+every tensor-parallel rank computes and keeps the same bytes. A model whose groups are all MLA is
+:func:`replicated` -- its values are stored once, under rank-independent keys
+(:class:`asyncconn.vllm.kv.keys.KeySpace`), saved by rank 0 and loaded by every rank.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ from typing import Any
 
 from asyncconn.exceptions import ConfigError
 
-__all__ = ["NULL_BLOCK_ID", "GroupLayout", "check_groups", "has_null", "real_blocks"]
+__all__ = ["NULL_BLOCK_ID", "GroupLayout", "check_groups", "has_null", "real_blocks", "replicated"]
 
 #: Group kinds whose blocks a request keeps for its whole life (every prefix block is stored and loaded).
 _WHOLE = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
 #: Group kinds whose blocks vLLM frees once they leave the layers' window (null blocks in their tables).
 _WINDOWED = frozenset({"SlidingWindowSpec", "ChunkedLocalAttentionSpec"})
+
+#: Group kinds whose KV is the same on every tensor-parallel rank (no head split: MLA's latent rows).
+_REPLICATED = frozenset({"MLAAttentionSpec"})
 
 #: The id of vLLM's null block (``BlockPool.null_block``: the pool's first block, never allocated).
 NULL_BLOCK_ID = 0
@@ -39,6 +47,13 @@ def has_null(block_ids: Sequence[Sequence[int]]) -> bool:
 def real_blocks(block_ids: Sequence[Sequence[int]]) -> set[int]:
     """The block ids of a value, every group, without the null block (what a load error may name)."""
     return {b for group in block_ids for b in group if b != NULL_BLOCK_ID}
+
+
+def replicated(kv_cache_groups: Sequence[Any]) -> bool:
+    """Whether every rank holds the same KV: every group is MLA (exact class name, as in
+    :func:`check_groups`). One group of another kind (a head slice per rank) makes a value per-rank."""
+    groups = list(kv_cache_groups)
+    return bool(groups) and all(type(g.kv_cache_spec).__name__ in _REPLICATED for g in groups)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,11 @@ and becomes a load error, never a wrong tensor).
 
 Keys are bytes: the lookup client turns them into store keys with :func:`asyncconn.lookup.store_key`
 (``key_prefix + hex``), and the savers write under exactly that name.
+
+The rank is part of a key because each rank holds other heads -- except on a model whose KV is the same on
+every rank (MLA's latent rows, :func:`asyncconn.vllm.kv.groups.replicated`): there every rank's key is rank
+0's, so a value is stored once (:meth:`KeySpace.saves_on` says only rank 0 saves it), every rank loads that
+one copy, and a lookup asks one key per value.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 from asyncconn.exceptions import ConfigError
 from asyncconn.lookup.protocol import store_key
+from asyncconn.vllm.kv.groups import replicated
 
 __all__ = ["KEY_FORMAT", "KeySpace", "KVIdentity"]
 
@@ -50,6 +56,9 @@ class KVIdentity:
     layers: tuple[str, ...]
     tp_size: int
     blocks_per_value: int
+    #: Every rank holds the same KV (MLA): one key per value, rank 0's. Not part of the namespace: rank 0's
+    #: key and bytes are what they were before, and a non-MLA identity's digest stays unchanged.
+    replicated: bool = False
 
     @classmethod
     def from_vllm(
@@ -73,6 +82,7 @@ class KVIdentity:
             layers=layers,
             tp_size=tp_size,
             blocks_per_value=blocks_per_value,
+            replicated=replicated(groups),
         )
 
 
@@ -84,13 +94,17 @@ class KeySpace:
             raise ConfigError(f"KV connector: impossible key identity {identity}")
         self.identity = identity
         self.key_prefix = key_prefix
-        blob = json.dumps({"format": KEY_FORMAT, **asdict(identity)}, sort_keys=True).encode()
+        facts = asdict(identity)
+        del facts["replicated"]  # which ranks' keys exist, not what the bytes are (see KVIdentity)
+        blob = json.dumps({"format": KEY_FORMAT, **facts}, sort_keys=True).encode()
         self.namespace = hashlib.blake2b(blob, digest_size=_DIGEST).digest()
         self.tokens_per_value = identity.block_size * identity.blocks_per_value
-        # Per rank, a hasher already fed the namespace and the rank: a key is a copy plus one update (the
-        # worker derives a key per saved value on vLLM's thread, so this is on its hot path).
+        #: Distinct keys per value: one per rank, or one for all ranks when the KV is replicated (MLA).
+        self.keys_per_value = 1 if identity.replicated else identity.tp_size
+        # Per key rank, a hasher already fed the namespace and the rank: a key is a copy plus one update
+        # (the worker derives a key per saved value on vLLM's thread, so this is on its hot path).
         self._seeded: list[hashlib.blake2b] = []
-        for rank in range(identity.tp_size):
+        for rank in range(self.keys_per_value):
             h = hashlib.blake2b(self.namespace, digest_size=_DIGEST)
             h.update(rank.to_bytes(4, "little"))
             self._seeded.append(h)
@@ -103,8 +117,18 @@ class KeySpace:
     def blocks_per_value(self) -> int:
         return self.identity.blocks_per_value
 
+    @property
+    def replicated(self) -> bool:
+        return self.identity.replicated
+
+    def saves_on(self, rank: int) -> bool:
+        """Whether rank ``rank`` saves values: every rank its own heads, or rank 0 alone when every rank
+        holds the same KV (the others load rank 0's copy)."""
+        return rank == 0 or not self.identity.replicated
+
     def value_key(self, last_block_hash: bytes, rank: int) -> bytes:
-        """The lookup key (bytes) of one value: the blocks ending at ``last_block_hash``, rank ``rank``."""
+        """The lookup key (bytes) of one value: the blocks ending at ``last_block_hash``, rank ``rank``
+        (rank 0's for every rank when the KV is replicated)."""
         h = self._hasher(rank)
         h.update(bytes(last_block_hash))
         digest: bytes = h.digest()
@@ -135,7 +159,7 @@ class KeySpace:
         """A fresh hasher already fed ``namespace`` and ``rank`` (``blake2b(namespace || rank || ...)``)."""
         if not 0 <= rank < self.identity.tp_size:
             raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.identity.tp_size}")
-        return self._seeded[rank].copy()
+        return self._seeded[rank if rank < self.keys_per_value else 0].copy()
 
     def value_hashes(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """The block hash that names each complete value of a request: every ``blocks_per_value``-th hash."""
@@ -143,9 +167,10 @@ class KeySpace:
         return [bytes(block_hashes[i + step - 1]) for i in range(0, len(block_hashes) - step + 1, step)]
 
     def lookup_keys(self, value_hashes: Sequence[bytes]) -> list[bytes]:
-        """Keys asked for a prefix lookup: each value's keys for every rank, value by value.
+        """Keys asked for a prefix lookup: each value's distinct keys (every rank's, or the one shared key
+        of replicated KV), value by value.
 
-        A PREFIX answer counts leading keys present, so ``answer // tp_size`` values are present on every
-        rank: a value whose shard is missing on one rank ends the hit there.
+        A PREFIX answer counts leading keys present, so ``answer // keys_per_value`` values are present for
+        every rank: a value whose shard is missing on one rank ends the hit there.
         """
-        return [self.value_key(h, rank) for h in value_hashes for rank in range(self.identity.tp_size)]
+        return [self.value_key(h, rank) for h in value_hashes for rank in range(self.keys_per_value)]

@@ -2,10 +2,11 @@
 
 Runs on vLLM's scheduler thread and never waits on I/O there (unless ``sync_lookup`` is set, which exists to
 measure what it costs). A request's first ``get_num_new_matched_tokens`` submits one PREFIX lookup of its
-values' keys (every TP rank's key for each value, value by value) and answers ``(None, False)`` -- "ask me
-next step" -- until the lookup client has the answer. The answer is kept until the request's blocks are
-allocated, so a request the scheduler cannot admit yet does not re-query the store every step; preemption,
-finish and abort drop it (a re-admitted request asks the store anew: its old answer may be stale).
+values' keys (every TP rank's key for each value, value by value; on MLA the one key all ranks share) and
+answers ``(None, False)`` -- "ask me next step" -- until the lookup client has the answer. The answer is
+kept until the request's blocks are allocated, so a request the scheduler cannot admit yet does not
+re-query the store every step; preemption, finish and abort drop it (a re-admitted request asks the store
+anew: its old answer may be stale).
 
 Every step, :meth:`KVSchedulerSide.build_connector_meta` tells the workers which values to load into which
 freshly allocated blocks, and which values this step completes and the store does not have yet. A request
@@ -111,7 +112,7 @@ class KVSchedulerSide:
             answer = self._ask(rid, hashes[:usable])
             if answer is None:
                 return None, False
-            hit = min(answer // self.keys.tp_size, usable)
+            hit = min(answer // self.keys.keys_per_value, usable)
             self._hits[rid] = hit
             self._stats.add("lookups")
             if hit:

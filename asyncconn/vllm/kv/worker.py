@@ -6,7 +6,9 @@ through the transfer engines, so no method here waits on the store except ``hand
 contract: a preempted request's blocks are reused by this very step), and then only with a timeout.
 
 A stored value holds ``blocks_per_value`` consecutive blocks of *every* layer, for this rank's heads (see
-:mod:`asyncconn.vllm.kv.layout`, which scatters and gathers them). One key per value and rank keeps lookups
+:mod:`asyncconn.vllm.kv.layout`, which scatters and gathers them) -- or, on an MLA model, the latent rows
+every rank holds alike: then all ranks use rank 0's keys, only rank 0 saves, and every rank loads that one
+copy (:meth:`~asyncconn.vllm.kv.keys.KeySpace.saves_on`). One key per value and rank keeps lookups
 and round trips per token low (a per-layer key would multiply both by the layer count) and makes "present"
 mean "every layer present". What differs by device is chosen once, when the caches are registered: where a
 loaded value lands and how it reaches the blocks (:mod:`asyncconn.vllm.kv.loads`, and
@@ -389,6 +391,12 @@ class KVWorkerSide:
         if self._sync_failed:
             self._sync_failed = False
             self._had_saves.update(spec.request_id for spec in specs)  # the scheduler holds them: report them
+            specs = []
+        elif specs and not self.keys.saves_on(self.rank):
+            # Replicated KV (MLA): rank 0 saves the one copy every rank loads. The scheduler holds these
+            # requests until every rank reports them in finished_sending: this rank does so as soon as vLLM
+            # finishes them, having nothing pending.
+            self._had_saves.update(spec.request_id for spec in specs)
             specs = []
         if specs:
             assert self.saves is not None, "register_kv_caches was not called"

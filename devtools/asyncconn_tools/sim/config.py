@@ -36,7 +36,9 @@ class SimShape:
     """The simulated model's geometry: what the KV tensors and the fake encoder outputs look like.
 
     ``num_kv_heads`` is the whole model's; with ``num_workers`` > 1 each worker holds an equal slice of
-    the heads, as tensor parallelism does, so it must divide evenly.
+    the heads, as tensor parallelism does, so it must divide evenly. ``mla``: the one KV cache group is an
+    ``MLAAttentionSpec`` and every worker holds all of it, as every rank holds the same latent KV of an MLA
+    model (DeepSeek-V2/V3).
     """
 
     num_layers: int = 2
@@ -46,6 +48,7 @@ class SimShape:
     block_size: int = 16
     num_blocks: int = 64
     vocab_size: int = 1000
+    mla: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,10 +183,17 @@ def build_vllm_config(
 
 
 def build_kv_cache_config(shape: SimShape) -> Any:
-    """A one-group ``KVCacheConfig``: every layer shares the same full-attention spec and block table."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    """A one-group ``KVCacheConfig``: every layer shares the same full-attention (or MLA) spec and block
+    table."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+    )
 
-    spec = FullAttentionSpec(
+    kind = MLAAttentionSpec if shape.mla else FullAttentionSpec
+    spec = kind(
         block_size=shape.block_size,
         num_kv_heads=shape.num_kv_heads,
         head_size=shape.head_size,

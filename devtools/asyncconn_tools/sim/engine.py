@@ -120,7 +120,7 @@ class EngineSim:
         if num_workers < 1:
             raise SimulationError(f"num_workers must be >= 1, got {num_workers}")
         self.shape = shape or SimShape()
-        if self.shape.num_kv_heads % num_workers:
+        if self.shape.num_kv_heads % num_workers and not self.shape.mla:
             raise SimulationError(
                 f"num_kv_heads={self.shape.num_kv_heads} does not split over {num_workers} workers"
             )

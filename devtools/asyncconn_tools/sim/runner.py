@@ -157,15 +157,17 @@ class SimWorker:
         kv_cache_config: Any,
         sample_token: int,
     ) -> None:
-        if shape.num_kv_heads % num_workers:
+        if shape.num_kv_heads % num_workers and not shape.mla:
             raise SimulationError(
                 f"num_kv_heads={shape.num_kv_heads} does not split over {num_workers} workers"
             )
         self.rank = rank
         self.shape = shape
         self.sample_token = sample_token
-        local_heads = shape.num_kv_heads // num_workers
-        self.heads = torch.arange(rank * local_heads, (rank + 1) * local_heads)
+        # MLA: every rank holds the same (whole) KV; otherwise a slice of the heads each
+        local_heads = shape.num_kv_heads if shape.mla else shape.num_kv_heads // num_workers
+        first = 0 if shape.mla else rank * local_heads
+        self.heads = torch.arange(first, first + local_heads)
         self.layer_names = layer_names(shape)
         self.kv_caches: dict[str, torch.Tensor] = {
             name: torch.zeros(shape.num_blocks, local_heads, shape.block_size, 2 * shape.head_size)

@@ -546,3 +546,45 @@ def test_cpu_wait_for_save_names_values_by_hash_and_gathers_on_the_copy_thread(
     run_checked(second)
     assert second.workers[0].kv_connector.worker_side.loader.loaded == 2
     assert leaks(second) == []
+
+
+@pytest.mark.parametrize("mla", [True, False], ids=["mla", "per-head"])
+def test_mla_ranks_share_one_copy_saved_by_rank_0(make_sim: Any, mla: bool) -> None:
+    """MLA (``MLAAttentionSpec``): every TP rank holds the same latent KV, so a value is stored once, under a
+    key every rank names alike; rank 0 saves it, rank 1 saves nothing yet reports its saves finished (vLLM's
+    aggregator waits for both ranks), and both ranks load rank 0's copy byte-exact. A model whose ranks hold
+    other heads keeps a key per rank."""
+    url = store_url()
+    tokens = prompt(23, 96)  # 6 full blocks; the last token is never a hit, so 5 values load
+    shape = SimShape(mla=mla)
+
+    sim = make_sim(kv=kv_spec(url), num_workers=2, shape=shape)
+    sides = [w.kv_connector.worker_side for w in sim.workers]
+    keys = sides[1].keys
+    sim.add_request("a", tokens, max_tokens=2)
+    records = run_checked(sim)
+    sent = [
+        r for r in records if r.kv_connector_output and "a" in (r.kv_connector_output.finished_sending or ())
+    ]
+    assert len(sent) == 1  # both ranks reported the request's saves finished: vLLM freed it once
+    assert leaks(sim) == []
+    assert [side.saver.saved for side in sides] == ([6, 0] if mla else [6, 6])
+    assert len(sides[0].store.backend) == (6 if mla else 12)  # values in the store for 6 blocks
+    hashes = keys.value_hashes(sim_hashes(tokens))
+    assert (keys.store_key(hashes[0], 0) == keys.store_key(hashes[0], 1)) is mla
+    assert keys.replicated is mla
+    assert [keys.saves_on(rank) for rank in (0, 1)] == [True, not mla]
+    assert keys.lookup_keys(hashes[:2]) == (
+        [keys.value_key(hashes[0], 0), keys.value_key(hashes[1], 0)]
+        if mla
+        else [keys.value_key(h, rank) for h in hashes[:2] for rank in (0, 1)]
+    )
+    sim.close()
+
+    sim = make_sim(kv=kv_spec(url), num_workers=2, shape=shape)
+    sim.add_request("b", tokens, max_tokens=2)
+    run_checked(sim)  # every rank's KV byte-equal to what computing it gives, after every step
+    assert sim.tokens_computed["b"] == 96 - 80 + 1
+    assert [w.kv_connector.worker_side.loader.loaded for w in sim.workers] == [5, 5]
+    assert [w.kv_connector.worker_side.saver.saved for w in sim.workers] == [0, 0]
+    assert leaks(sim) == []

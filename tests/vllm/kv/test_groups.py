@@ -64,3 +64,16 @@ def test_null_blocks() -> None:
     assert NULL_BLOCK_ID == 0
     assert has_null(((3, 4), (0, 5))) and not has_null(((3, 4), (6, 5)))
     assert real_blocks(((3, 4), (0, 5))) == {3, 4, 5}
+
+
+def test_only_models_whose_groups_are_all_mla_are_replicated() -> None:
+    from vllm.v1 import kv_cache_interface as specs
+
+    from asyncconn.vllm.kv.groups import replicated
+
+    mla = specs.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    assert replicated(_kv_config(mla).kv_cache_groups)
+    assert replicated(_kv_config(mla, mla).kv_cache_groups)
+    assert not replicated(_kv_config(_attention("full")).kv_cache_groups)
+    assert not replicated(_kv_config(mla, _attention("window")).kv_cache_groups)
+    assert not replicated([])

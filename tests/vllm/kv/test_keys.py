@@ -151,3 +151,50 @@ def test_example_config_is_accepted_by_vllm_and_settings() -> None:
     assert settings.backend_url.startswith("redis://") and settings.kv_blocks_per_value >= 1
     with pytest.raises(ConfigError, match="kv_blocks_per_valu"):
         Settings.from_extra_config({"kv_blocks_per_valu": 2})
+
+
+def test_replicated_kv_has_one_key_per_value_for_every_rank_saved_by_rank_0() -> None:
+    """MLA (every rank holds the same latent KV): every rank names a value with rank 0's key, only rank 0
+    saves, a lookup asks one key per value. The flag is not part of the namespace: rank 0's keys, and every
+    key of a model whose ranks hold other heads, are what earlier builds wrote (namespaces pinned)."""
+    mla = replace(BASE, num_kv_heads=1, head_size=576)
+    shared, per_rank = KeySpace(replace(mla, replicated=True)), KeySpace(mla)
+    assert KeySpace(BASE).namespace.hex() == "75f0121d8ce7644c9e920cdb3b805762"
+    assert shared.namespace == per_rank.namespace
+    assert per_rank.namespace.hex() == "55f4aaa57e5dc3ee7b93ef0f66303ed8"
+    for rank in (0, 1):
+        assert shared.value_key(HASHES[0], rank) == per_rank.value_key(HASHES[0], 0)
+        assert shared.store_keys(HASHES[:3], rank) == per_rank.store_keys(HASHES[:3], 0)
+        assert shared.namer(rank)(HASHES[4]) == per_rank.store_key(HASHES[4], 0)
+    assert per_rank.value_key(HASHES[0], 1) != per_rank.value_key(HASHES[0], 0)
+    assert (shared.keys_per_value, per_rank.keys_per_value) == (1, 2)
+    assert shared.lookup_keys(HASHES[:2]) == [per_rank.value_key(h, 0) for h in HASHES[:2]]
+    assert [shared.saves_on(r) for r in (0, 1)] == [True, False]
+    assert [per_rank.saves_on(r) for r in (0, 1)] == [True, True]
+    with pytest.raises(ConfigError, match="rank 2"):
+        shared.value_key(HASHES[0], 2)
+
+
+def test_identity_is_replicated_only_when_every_group_is_mla() -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1 import kv_cache_interface as specs
+
+    def identity(*kinds: type) -> KVIdentity:
+        common = {"block_size": 16, "num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}
+        groups = [
+            SimpleNamespace(kv_cache_spec=kind(**common), layer_names=[f"g{i}.l"])
+            for i, kind in enumerate(kinds)
+        ]
+        vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(model="/m/ds", revision=None), cache_config=SimpleNamespace()
+        )
+        return KVIdentity.from_vllm(
+            vllm_config, SimpleNamespace(kv_cache_groups=groups), tp_size=2, blocks_per_value=1
+        )
+
+    assert identity(specs.MLAAttentionSpec).replicated
+    assert identity(specs.MLAAttentionSpec, specs.MLAAttentionSpec).replicated
+    assert not identity(specs.FullAttentionSpec).replicated  # each rank holds other heads
+    assert not identity(specs.MLAAttentionSpec, specs.FullAttentionSpec).replicated  # a value holds both
