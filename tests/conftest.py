@@ -180,7 +180,10 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    long_ok = os.environ.get("ASYNCCONN_LONG_TESTS") == "1"
     for item in items:
+        if not long_ok and item.get_closest_marker("long") is not None:
+            item.add_marker(pytest.mark.skip(reason="minutes long: ASYNCCONN_LONG_TESTS=1 runs it"))
         if _imports_vllm(item.path):
             item.add_marker(pytest.mark.vllm)
         for fixture in getattr(item, "fixturenames", ()):

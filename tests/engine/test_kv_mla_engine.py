@@ -195,7 +195,8 @@ def _connectors_settled(llm: Any, timeout: float = 60.0) -> list[dict[str, int]]
     return ranks
 
 
-@pytest.mark.slow  # two TP=2 engines, multiprocess: about a minute each to start on two busy cores
+@pytest.mark.slow
+@pytest.mark.long  # two TP=2 engines, multiprocess: about a minute each to start on two busy cores
 @pytest.mark.timeout(600)
 def test_tp2_ranks_store_one_latent_copy_and_both_load_it_byte_exact(
     mla_model: Path, engines: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
