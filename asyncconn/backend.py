@@ -37,6 +37,7 @@ __all__ = [
     "Buffer",
     "IntoRead",
     "NOT_CACHED",
+    "RemovedHook",
     "SelfChecked",
     "Sink",
     "feed_sink",
@@ -66,6 +67,8 @@ IntoRead = tuple[str, Sequence[memoryview], Sink | None]
 #: What :meth:`StorageBackend.get_into_many` reports, with ``cached_only``, for a value it would have had to
 #: wait for (a disk, the network): nothing was read, or only part of it.
 NOT_CACHED = -1
+#: Told the keys a backend removed by its own doing (eviction, expiry); see ``StorageBackend.on_removed``.
+RemovedHook = Callable[[Sequence[str]], None]
 
 
 def feed_sink(sink: Sink, pieces: Sequence[memoryview]) -> None:
@@ -199,6 +202,11 @@ class StorageBackend(abc.ABC):
     #: Whether the store uses ``url.password``; a URL with a password (in it, or through ``password_env``
     #: or ``password_file``) for a store that does not is refused, rather than the password ignored.
     takes_password: ClassVar[bool] = False
+    #: Set by whoever reports removals (e.g. KV events' ``BlockRemoved``): called on the loop thread with
+    #: the keys this backend removed by its own doing -- evicted or expired by ``file://``'s sweep. Not
+    #: called for ``delete``, nor for what a server drops without telling (Redis ``ttl``/``maxmemory``,
+    #: Mooncake eviction), nor for keys another process removed. A hook that raises is logged and ignored.
+    on_removed: RemovedHook | None = None
 
     @classmethod
     @abc.abstractmethod

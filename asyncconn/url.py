@@ -55,7 +55,9 @@ _SIZE_UNITS = {
     "tb": 1000**4,
     "tib": 1024**4,
 }
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0}
+_DURATION_UNITS = {
+    "": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0,
+}  # fmt: skip
 _NUM_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 #: The largest size accepted anywhere (1 PiB): a bigger figure is a typo, and Python would carry it on
@@ -112,7 +114,7 @@ def parse_duration(text: str | float) -> float:
     if isinstance(text, str):
         m = _NUM_UNIT.match(text)
         if not m or m.group(2).lower() not in _DURATION_UNITS:
-            raise ValueError(f"not a duration: {text[:40]!r} (use e.g. 2, 2s, 500ms)")
+            raise ValueError(f"not a duration: {text[:40]!r} (use e.g. 2, 2s, 500ms, 30m, 1h)")
         seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
     else:
         seconds = float(text)

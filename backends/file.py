@@ -9,11 +9,15 @@ frame goes from the page cache into a pinned staging tensor with a single copy.
 Key -> path: ``<root>/<2 hex of blake2b(key)>/<percent-encoded key>`` (a hash when that name is too long),
 so any key string is a safe file name and no directory grows without bound.
 
-Bounded store (``max_bytes``): a value's *last use* is its file's modification time, which a write sets and
-a read sets again (``utime``, at most once a second per value). A sweep lists the directory, and when the
-values add up to more than ``max_bytes`` it deletes the least recently used ones until they fit in 90% of
-it. Everything it goes by is in the directory itself, so processes sharing it (E and PD instances) agree on
-what was used last, and a lock file lets one of them sweep at a time.
+Bounded store (``max_bytes``, ``max_age``): a value's file keeps two times. Its modification time is when it
+was written; its access time is its *last use*, which a write sets and a read sets again (``utime`` of the
+access time only, at most once a second per value; the kernel may move it too, on any read). A sweep lists
+the directory, deletes values older than ``max_age`` -- counted from the write, or from the last use with
+``refresh_on_hit`` -- and then, when the values add up to more than ``max_bytes``, the least recently used
+ones until they fit in 90% of it. Everything it goes by is in the directory itself, so processes sharing it
+(E and PD instances) agree on what was used last, and a lock file lets one of them sweep at a time. A value
+past ``max_age`` is a miss at once, whether or not a sweep has deleted it yet. Keys the sweep removed are
+handed to ``on_removed`` (on the loop thread) when their names can be read back from the file names.
 
 Temporary files: a writer holds an exclusive ``flock`` on its temporary file until it has been renamed into
 place, and the kernel drops that lock when the writer dies. A sweep removes every temporary file whose lock
@@ -32,6 +36,8 @@ import hashlib
 import logging
 import operator
 import os
+import re
+import stat
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,12 +45,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from asyncconn.backend import (
     NOT_CACHED,
     Buffer,
     IntoRead,
+    RemovedHook,
     Sink,
     StorageBackend,
     Value,
@@ -77,6 +84,8 @@ _GROUP_BYTES = 1 << 20
 _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 #: Keys whose paths a backend remembers (see ``FileBackend._path``): ~200 bytes each.
 _PATH_MEMO = 1 << 16
+#: The file name of a key whose quoted name is too long or starts with a dot (see ``_make_path``).
+_HASHED = re.compile(r"h-[0-9a-f]{32}")
 
 
 def _split_ranges(size: int, parts: int) -> list[tuple[int, int]]:
@@ -126,6 +135,10 @@ class SweepReport:
     evicted: int
     #: temporary files of dead writers removed
     temp_removed: int
+    #: values deleted because they were older than ``max_age``
+    expired: int = 0
+    #: keys of the values evicted or expired (those whose key the file name gives back: see ``_key_of``)
+    removed: tuple[str, ...] = ()
 
 
 def _groups(items: Sequence[tuple[str, Value]], sizes: Sequence[int]) -> list[list[tuple[str, Value]]]:
@@ -146,12 +159,21 @@ def _groups(items: Sequence[tuple[str, Value]], sizes: Sequence[int]) -> list[li
     return groups
 
 
-def _touch(fd: int, mtime_ns: int) -> None:
-    """Record a read of the open file as its last use (see the module docstring)."""
-    if time.time_ns() - mtime_ns >= _TOUCH_NS:
+def _last_use(st: os.stat_result) -> int:
+    """When the value was last written or read (ns): the later of its access and modification times."""
+    return max(st.st_atime_ns, st.st_mtime_ns)
+
+
+def _touch(fd: int, st: os.stat_result) -> None:
+    """Record a read of the open file as its last use: its access time (see the module docstring).
+
+    The modification time is left alone: it is the write time ``max_age`` counts from.
+    """
+    now = time.time_ns()
+    if now - _last_use(st) >= _TOUCH_NS:
         # Another user's file (no write permission) cannot be touched: that read is not recorded.
         with contextlib.suppress(OSError):
-            os.utime(fd)
+            os.utime(fd, ns=(now, st.st_mtime_ns))
 
 
 def _reap_temp(path: str) -> bool:
@@ -200,8 +222,12 @@ class FileBackend(StorageBackend):
         "max_bytes": Param.size(
             0, "bound on the stored values; the least recently used (read or written) go first (0: none)"
         ),
+        "max_age": Param.duration(
+            0.0, "values written longer ago than this are misses, deleted by the next sweep (0: none)"
+        ),
+        "refresh_on_hit": Param.boolean(False, "max_age counts from a value's last read, not its write"),
         "sweep_interval": Param.duration(
-            30.0, "how often dead writers' temporary files are removed and max_bytes enforced"
+            30.0, "how often dead writers' temporary files are removed and max_bytes and max_age enforced"
         ),
     }
     reads_into: ClassVar[bool] = True
@@ -218,10 +244,15 @@ class FileBackend(StorageBackend):
         read_threads: int = 2,
         inline_reads: bool = True,
         max_bytes: int = 0,
+        max_age: float = 0.0,
+        refresh_on_hit: bool = False,
         sweep_interval: float = 30.0,
+        on_removed: RemovedHook | None = None,
     ) -> None:
         if max_bytes < 0:
             raise ConfigError("file:// URL: parameter 'max_bytes' must be >= 0")
+        if max_age < 0:
+            raise ConfigError("file:// URL: parameter 'max_age' must be >= 0")
         if not sweep_interval > 0:
             raise ConfigError("file:// URL: parameter 'sweep_interval' must be > 0")
         self.root = Path(root)
@@ -235,7 +266,14 @@ class FileBackend(StorageBackend):
         self.read_threads = read_threads
         self.inline_reads = inline_reads
         self.max_bytes = max_bytes
+        self.max_age = max_age
+        self.refresh_on_hit = refresh_on_hit
+        self._max_age_ns = round(max_age * 1e9)
         self.sweep_interval = sweep_interval
+        self.on_removed = on_removed
+        # Loop-thread counts of what this process's sweeps removed, since the store was opened.
+        self.evicted = 0
+        self.expired = 0
         # Loop-thread state: the store's size at the last sweep plus what this process wrote since.
         self._estimate = 0
         self._wake: asyncio.Event | None = None
@@ -263,6 +301,8 @@ class FileBackend(StorageBackend):
                 read_threads=opts["read_threads"],
                 inline_reads=opts["inline_reads"],
                 max_bytes=opts["max_bytes"],
+                max_age=opts["max_age"],
+                refresh_on_hit=opts["refresh_on_hit"],
                 sweep_interval=opts["sweep_interval"],
             )
         except OSError as exc:
@@ -355,8 +395,10 @@ class FileBackend(StorageBackend):
             return None
         try:
             st = os.fstat(fd)
+            if self._expired(st):
+                return None
             size = st.st_size
-            _touch(fd, st.st_mtime_ns)
+            _touch(fd, st)
             buf = bytearray(size)
             view = memoryview(buf)
             got = 0
@@ -383,11 +425,13 @@ class FileBackend(StorageBackend):
             return None
         try:
             st = os.fstat(fd)
+            if self._expired(st):
+                return None
             size = st.st_size
             views = list(map(_as_bytes, dests))  # map, not a loop: a value read in place has ~15 pieces
             if size != sum(map(len, views)):
                 return size
-            _touch(fd, st.st_mtime_ns)
+            _touch(fd, st)
             flags = _RWF_NOWAIT if nowait else 0
             if split:
                 got = self._read_split(fd, views, size, flags)
@@ -475,6 +519,29 @@ class FileBackend(StorageBackend):
             concurrent.futures.wait(helpers)  # never let fd close under a running helper
         return got + sum(h.result() for h in helpers)
 
+    def _expired(self, st: os.stat_result, now: int = 0) -> bool:
+        """Whether a value is past ``max_age``: since its write, or its last use with ``refresh_on_hit``."""
+        if not self._max_age_ns:
+            return False
+        since = _last_use(st) if self.refresh_on_hit else st.st_mtime_ns
+        return (now or time.time_ns()) - since > self._max_age_ns
+
+    def _exists(self, key: str) -> bool:
+        try:
+            st = os.stat(self._path(key))
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode) and not self._expired(st)
+
+    def _key_of(self, path: str, known: dict[str, str]) -> str | None:
+        """The key whose value lives at ``path``: read back from the file name, else from the paths this
+        process has built (``known``, path -> key); ``None`` for a hashed name no one here has asked for."""
+        name = os.path.basename(path)
+        if _HASHED.fullmatch(name):  # a digest: only a key this process has asked for names it
+            return known.get(path)
+        key = unquote(name)
+        return key if self._make_path(key) == path else known.get(path)
+
     def _delete(self, key: str) -> bool:
         try:
             os.unlink(self._path(key))
@@ -497,6 +564,8 @@ class FileBackend(StorageBackend):
     def _sweep_locked(self) -> SweepReport:
         stored = temp_removed = 0
         values: list[tuple[int, int, str, int]] = []  # last use, size, path, inode
+        expired: list[tuple[int, str, int]] = []  # size, path, inode
+        now = time.time_ns()
         with os.scandir(self.root) as top:
             subdirs = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
         for subdir in subdirs:
@@ -515,8 +584,24 @@ class FileBackend(StorageBackend):
                     continue
                 stored += st.st_size
                 if not entry.name.startswith(_TMP_PREFIX) and entry.is_file(follow_symlinks=False):
-                    values.append((st.st_mtime_ns, st.st_size, entry.path, st.st_ino))
-        evicted = 0
+                    if self._expired(st, now):
+                        expired.append((st.st_size, entry.path, st.st_ino))
+                    else:
+                        values.append((_last_use(st), st.st_size, entry.path, st.st_ino))
+        removed: list[str] = []
+        for size, path, inode in expired:
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                stored -= size
+                continue
+            if st.st_ino != inode or not self._expired(st):
+                continue  # rewritten (or, with refresh_on_hit, read) since the listing: keep it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+            stored -= size
+        n_expired = len(removed)
         if self.max_bytes and stored > self.max_bytes:
             target = int(self.max_bytes * _LOW_WATER)
             values.sort()
@@ -528,13 +613,23 @@ class FileBackend(StorageBackend):
                 except FileNotFoundError:
                     stored -= size
                     continue
-                if st.st_ino != inode or st.st_mtime_ns != used:
+                if st.st_ino != inode or _last_use(st) != used:
                     continue  # rewritten or read since the listing: used now, keep it
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-                    evicted += 1
+                    removed.append(path)
                 stored -= size
-        return SweepReport(stored, evicted, temp_removed)
+        keys = self._keys_of(removed)
+        return SweepReport(stored, len(removed) - n_expired, temp_removed, n_expired, keys)
+
+    def _keys_of(self, paths: list[str]) -> tuple[str, ...]:
+        """The keys of removed values, where known (see ``_key_of``)."""
+        if not paths:
+            return ()
+        # A copy in one C call: other threads add to the memo meanwhile (single dict operations).
+        known = {path: key for key, path in self._paths.copy().items()}
+        keys = (self._key_of(path, known) for path in paths)
+        return tuple(key for key in keys if key is not None)
 
     async def sweep(self) -> SweepReport | None:
         """Run one sweep now (see the module docstring); ``None`` when another one held the lock."""
@@ -543,6 +638,13 @@ class FileBackend(StorageBackend):
         if report is not None:
             # What this process wrote while the sweep ran may or may not be in its count: assume not.
             self._estimate = report.stored_bytes + max(0, self._estimate - written)
+            self.evicted += report.evicted
+            self.expired += report.expired
+            if report.removed and self.on_removed is not None:
+                try:
+                    self.on_removed(report.removed)
+                except Exception:  # someone else's bug must not stop the sweeps
+                    log.exception("file store %r: on_removed hook failed", str(self.root))
         return report
 
     def _start_sweeper(self) -> None:
@@ -560,10 +662,12 @@ class FileBackend(StorageBackend):
             except BackendError as exc:
                 log.warning("file store %r: sweep failed: %s", str(self.root), exc)
                 continue
-            if report is not None and (report.evicted or report.temp_removed):
+            if report is not None and (report.evicted or report.expired or report.temp_removed):
                 log.info(
-                    "file store %r: %d values evicted, %d dead writers' temporary files removed, %d bytes",
-                    str(self.root), report.evicted, report.temp_removed, report.stored_bytes,
+                    "file store %r: %d values evicted, %d expired, %d dead writers' temporary files "
+                    "removed, %d bytes",
+                    str(self.root), report.evicted, report.expired, report.temp_removed,
+                    report.stored_bytes,
                 )  # fmt: skip
 
     def _wrote(self, nbytes: int) -> None:
@@ -647,7 +751,7 @@ class FileBackend(StorageBackend):
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         checked_keys(keys)
-        return await self._run(lambda: [os.path.isfile(self._path(k)) for k in keys])
+        return await self._run(lambda: [self._exists(k) for k in keys])
 
     async def delete(self, keys: Sequence[str]) -> int:
         checked_keys(keys)

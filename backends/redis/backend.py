@@ -93,6 +93,9 @@ class RedisBackend(StorageBackend):
             "", "start of every Redis key name, outside the braced key (a connector's key_prefix is inside)"
         ),
         "ttl": Param.duration(0.0, "expiry of everything written (0: never expires)"),
+        "refresh_on_hit": Param.boolean(
+            False, "a read re-arms the value's ttl (one PEXPIRE in its round trip)"
+        ),
         "chunk_size": Param.size(DEFAULT_CHUNK_SIZE, "values above this are split into chunks of this size"),
         "parallel": Param.count(4, "connections one value's chunks are fetched over at once"),
         "max_connections": Param.count(16, "pool size; callers wait for a free connection"),
@@ -127,12 +130,19 @@ class RedisBackend(StorageBackend):
         parallel: int = 4,
         timeout: float = 5.0,
         reader: ChunkReader | None = None,
+        refresh_on_hit: bool = False,
     ) -> None:
         self._pool = pool
         self._client = aioredis.Redis(connection_pool=pool)
         self._settings("redis", name, password, prefix, ttl, chunk_size, parallel, timeout, reader)
+        self._refreshing("redis", refresh_on_hit)
         # A single server: chunked writes can take the reader's raw connections too (a cluster cannot).
         self._writer: ChunkReader | None = reader
+
+    def _refreshing(self, scheme: str, refresh_on_hit: bool) -> None:
+        if refresh_on_hit and self._px is None:
+            raise ConfigError(f"{scheme}:// URL: parameter 'refresh_on_hit' needs a ttl")
+        self.refresh_on_hit = refresh_on_hit
 
     def _settings(
         self,
@@ -182,6 +192,7 @@ class RedisBackend(StorageBackend):
             parallel=opts["parallel"],
             timeout=opts["timeout"],
             reader=cls._chunk_reader(url, opts, kwargs) if opts["fast_read"] else None,
+            refresh_on_hit=opts["refresh_on_hit"],
         )
         if opts["check"]:
             try:
@@ -463,14 +474,19 @@ class RedisBackend(StorageBackend):
 
         ``GET`` and ``HGET <key> m`` of every key, pipelined: one of the two answers ``WRONGTYPE`` for a key
         that exists. A hash whose manifest is missing or not ours, and a key of any other type, are absent.
+        With ``refresh_on_hit`` a ``PEXPIRE`` of each key rides in the same round trip (a no-op on a miss):
+        the value is one key, so that re-arms every chunk of it at once.
         """
+        step = 3 if self.refresh_on_hit else 2
         async with self._client.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.get(name)
                 pipe.hget(name, MANIFEST_FIELD)
+                if step == 3:
+                    pipe.pexpire(name, self._px)  # type: ignore[arg-type]  # set whenever refresh_on_hit is
             replies = await pipe.execute(raise_on_error=False)
         out: list[bytes | Manifest | None] = []
-        for value, manifest in zip(replies[::2], replies[1::2], strict=True):
+        for value, manifest in zip(replies[::step], replies[1::step], strict=True):
             for reply in (value, manifest):
                 if isinstance(reply, Exception) and not str(reply).startswith("WRONGTYPE"):
                     raise reply

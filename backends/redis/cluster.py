@@ -167,6 +167,7 @@ class RedisClusterBackend(RedisBackend):
     params: ClassVar[dict[str, Param]] = {
         "prefix": RedisBackend.params["prefix"],
         "ttl": RedisBackend.params["ttl"],
+        "refresh_on_hit": RedisBackend.params["refresh_on_hit"],
         "chunk_size": RedisBackend.params["chunk_size"],
         "parallel": RedisBackend.params["parallel"],
         "max_connections": Param.count(16, "connections per cluster node; a call finding none free fails"),
@@ -190,6 +191,7 @@ class RedisClusterBackend(RedisBackend):
         parallel: int = 4,
         timeout: float = 5.0,
         reader: ChunkReader | None = None,
+        refresh_on_hit: bool = False,
     ) -> None:
         # Deliberately not RedisBackend.__init__, which builds a single-server client around a pool.
         # RedisCluster offers every command the inherited methods call (pipeline, mget, hget, hmget, set,
@@ -197,6 +199,7 @@ class RedisClusterBackend(RedisBackend):
         self._cluster = client
         self._client = client  # type: ignore[assignment]
         self._settings("redis+cluster", name, password, prefix, ttl, chunk_size, parallel, timeout, reader)
+        self._refreshing("redis+cluster", refresh_on_hit)
 
     @classmethod
     async def from_url(cls, url: StoreURL) -> RedisClusterBackend:
@@ -233,6 +236,7 @@ class RedisClusterBackend(RedisBackend):
             )
             if opts["fast_read"]
             else None,
+            refresh_on_hit=opts["refresh_on_hit"],
         )
         if opts["check"]:
             try:
