@@ -20,13 +20,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 import torch
+from asyncconn_backends.file import FileBackend
+from asyncconn_backends.redis.layout import main_key
 
 from asyncconn.backend import StorageBackend, open_backend
 from asyncconn.exceptions import ConfigError
 from asyncconn.store import Fetch, TensorStore
 from asyncconn.url import parse_duration
-from asyncconn_backends.file import FileBackend
-from asyncconn_backends.redis.layout import main_key
 from tests.servers import RedisServer
 from tests.servers_distributed import RedisCluster
 
