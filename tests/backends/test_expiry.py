@@ -20,7 +20,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 import torch
-from asyncconn_backends.file import FileBackend
+from asyncconn_backends.file import FileBackend, _touch
 from asyncconn_backends.redis.layout import main_key
 
 from asyncconn.backend import StorageBackend, open_backend
@@ -290,12 +290,24 @@ async def test_file_reads_are_recorded_as_uses_without_moving_the_write_time(tmp
     assert isinstance(backend, FileBackend)
     try:
         await backend.put([("k", b"v" * 100)])
-        _age(backend, "k", written=_HOUR)
+        _age(backend, "k", written=2 * _HOUR, used=_HOUR)
         before = os.stat(backend.path_for("k"))
         assert _joined((await backend.get(["k"]))[0]) == b"v" * 100
         after = os.stat(backend.path_for("k"))
         assert after.st_mtime_ns == before.st_mtime_ns  # the write time max_age counts from
         assert after.st_atime_ns > before.st_atime_ns + _HOUR - _MIN  # the last use, for max_bytes
+        # The kernel may move the access time on a read too (relatime does after a utime); without a read
+        # (O_NOATIME, nothing read), only the backend's own record moves it, and never the write time.
+        _age(backend, "k", written=2 * _HOUR, used=_HOUR)
+        fd = os.open(backend.path_for("k"), os.O_RDONLY | os.O_NOATIME)
+        try:
+            before = os.fstat(fd)
+            _touch(fd, before)
+            touched = os.fstat(fd)
+        finally:
+            os.close(fd)
+        assert touched.st_mtime_ns == before.st_mtime_ns
+        assert touched.st_atime_ns > before.st_atime_ns + _HOUR - _MIN
     finally:
         await backend.close()
 
