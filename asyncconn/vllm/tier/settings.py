@@ -4,7 +4,7 @@ vLLM's tier factory hands every key of the entry except ``type``, ``module_path`
 the tier's constructor. The keys the tier shares with the connectors (``backend_url``, ``key_prefix``, the
 timeouts, ``lookup_max_pending``) are parsed by :meth:`asyncconn.config.Settings.parse_value`, so they take
 the same values, refuse the same mistakes and redact the same secrets; the connector-only keys are refused
-here rather than silently ignored. docs/offloading-tier.md lists the table (a test keeps the two in step).
+here rather than silently ignored. docs/configuration.md lists the table (a test keeps the two in step).
 """
 
 from __future__ import annotations

@@ -12,14 +12,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from asyncconn.exceptions import ConfigError
+from tests.vllm.offload.tiering import ROW, Tiered, keys_of
 
 pytestmark = pytest.mark.interface
-
-from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
-from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
-
-from asyncconn.exceptions import ConfigError  # noqa: E402
-from tests.vllm.offload.tiering import ROW, Tiered, keys_of  # noqa: E402
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 IDLE = {"jobs": 0, "checks": 0, "tracked": 0}
