@@ -233,13 +233,14 @@ class AsyncConnTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not 
         self._closed = True
         self.io.draining = True
         bound = max(self.settings.store_timeout, self.settings.lookup_timeout) + 2.0
-        waiting: list[concurrent.futures.Future[Any]] = [job.future for job in self._running.values()]
-        waiting += self.lookups.futures()
-        _, late = concurrent.futures.wait(waiting, timeout=bound)
+        jobs = [job.future for job in self._running.values()]
+        waiting: list[concurrent.futures.Future[Any]] = [*jobs, *self.lookups.futures()]
+        concurrent.futures.wait(waiting, timeout=bound)
         try:
             self._runtime.run(self.io.store.close(), timeout=self.settings.connect_timeout)
         except Exception as exc:
             log.warning("%s: closing the store failed: %r", self.tier_type, exc)
+        late = sum(not future.done() for future in jobs)  # presence checks never touch the primary
         if late:
-            raise BackendTimeout(f"{self.tier_type}: {len(late)} transfers still running after {bound:g}s")
+            raise BackendTimeout(f"{self.tier_type}: {late} transfers still running after {bound:g}s")
         self._flat.release()
