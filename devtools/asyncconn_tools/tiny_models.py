@@ -36,7 +36,7 @@ _VERSION = 2
 class ModelSpec:
     """One tiny model: its family and sizes."""
 
-    family: str  # "llama", "gemma3", "deepseek_v2" (text) or "blip2"
+    family: str  # "llama", "gemma2", "gemma3", "deepseek_v2" (text) or "blip2"
     hidden: int
     layers: int
     heads: int
@@ -46,8 +46,8 @@ class ModelSpec:
     max_positions: int = 4096
     std: float = 0.1  # spread of the decoder's matrices
     about: str = ""
-    sliding_window: int = 0  # gemma3: tokens each sliding-window layer attends to
-    full_every: int = 0  # gemma3: every n-th layer is full attention, the others sliding-window
+    sliding_window: int = 0  # gemma2/3: tokens each sliding-window layer attends to
+    full_every: int = 0  # gemma2/3: every n-th layer is full attention, the others sliding-window
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -75,6 +75,19 @@ MODELS: dict[str, ModelSpec] = {
         sliding_window=64,
         full_every=4,
         about="4-layer Gemma-3-style text model: 3 sliding-window layers (64 tokens), 1 full-attention layer",
+    ),
+    "hybrid-gemma2": ModelSpec(
+        "gemma2",
+        128,
+        4,
+        4,
+        2,
+        256,
+        std=0.3,
+        sliding_window=64,
+        full_every=2,
+        about="4-layer Gemma-2-style text model: sliding-window (64 tokens) and full-attention layers "
+        "alternating, attention and final logits soft-capped",
     ),
     "hybrid-100m": ModelSpec(
         "gemma3",
@@ -153,8 +166,8 @@ def build_model(
     try:
         if spec.family == "llama":
             _build_llama(spec, tmp)
-        elif spec.family == "gemma3":
-            _build_gemma3(spec, tmp)
+        elif spec.family in ("gemma2", "gemma3"):
+            _build_gemma(spec, tmp)
         elif spec.family == "deepseek_v2":
             _build_deepseek_v2(spec, tmp)
         else:
@@ -219,40 +232,54 @@ def _build_llama(spec: ModelSpec, out: Path) -> None:
     _word_tokenizer(spec.vocab, special).save_pretrained(out)
 
 
-def _build_gemma3(spec: ModelSpec, out: Path) -> None:
+def _build_gemma(spec: ModelSpec, out: Path) -> None:
     """Sliding-window layers interleaved with full-attention ones: vLLM's hybrid KV cache manager gives each
-    kind its own KV cache groups, and frees a sliding-window layer's blocks once they leave its window."""
+    kind its own KV cache groups, and frees a sliding-window layer's blocks once they leave its window.
+    Gemma 2 keeps its soft caps (attention logits 50, final logits 30: vLLM's CPU attention applies the
+    former), Gemma 3 has none."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     head_dim = spec.hidden // spec.heads
-    config = Gemma3TextConfig(
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=head_dim,
-        query_pre_attn_scalar=head_dim,
-        vocab_size=spec.vocab,
-        max_position_embeddings=spec.max_positions,
-        sliding_window=spec.sliding_window,
-        layer_types=[
+    shape: dict[str, Any] = {
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": spec.max_positions,
+        "sliding_window": spec.sliding_window,
+        "layer_types": [
             "full_attention" if (i + 1) % spec.full_every == 0 else "sliding_attention"
             for i in range(spec.layers)
         ],
-        tie_word_embeddings=True,
-    )
-    config.bos_token_id = config.eos_token_id = 1
-    config.pad_token_id = 0
-    model = Gemma3ForCausalLM(config)
+        "tie_word_embeddings": True,
+    }
+    model: Any
+    if spec.family == "gemma2":
+        config: Any = Gemma2Config(**shape)
+        config.bos_token_id = config.eos_token_id = 1
+        config.pad_token_id = 0
+        model = Gemma2ForCausalLM(config)
+    else:
+        config = Gemma3TextConfig(**shape)
+        config.bos_token_id = config.eos_token_id = 1
+        config.pad_token_id = 0
+        model = Gemma3ForCausalLM(config)
+    # Gemma scales the embeddings up by sqrt(hidden). Gemma 2's embeddings are drawn that much narrower:
+    # otherwise a token's own embedding drowns what attention adds and greedy decoding repeats the last
+    # prompt token whatever came before. (Gemma 3's stay as built, which its benchmarks' figures used.)
+    embed_std = spec.std / spec.hidden**0.5 if spec.family == "gemma2" else spec.std
     torch.manual_seed(0)
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() == 1:  # Gemma's norms scale by (1 + weight): 0 is the identity
                 param.zero_()
             else:
-                param.normal_(0.0, spec.std)
+                param.normal_(0.0, embed_std if "embed_tokens" in name else spec.std)
     model.save_pretrained(out, safe_serialization=True)
     special = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, "<mask>": 4}
     _word_tokenizer(spec.vocab, special).save_pretrained(out)
