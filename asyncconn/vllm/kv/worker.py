@@ -39,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import Scattered, TensorStore
 from asyncconn.transfer import LoadResult, SaveTracker, StreamLoader, TensorSpec
 from asyncconn.transfer.purge import Purger
+from asyncconn.vllm.kv.events import SavedReport, SaveReports
 from asyncconn.vllm.kv.groups import real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.layout import CacheLayout
@@ -111,6 +113,7 @@ class KVWorkerSide:
         load_timeout: float = 10.0,
         preempt_timeout: float = 5.0,
         windowed: bool = False,
+        events: SaveReports | None = None,
     ) -> None:
         if loader.device is saver.device:
             raise ConfigError(
@@ -152,6 +155,11 @@ class KVWorkerSide:
         self._sync_failed = False
         # The save tracker's, loader's and store's running totals, reported as changes (see ``stats``).
         self._totals = worker_totals(saver, loader, store, keys.tokens_per_value)
+        # KV events on (vLLM's ``kv_events_config``): which values the store confirmed, for the scheduler.
+        self.events = events
+        self._events_dropped = 0  # ``events.dropped`` at the last stats()
+        if events is not None:
+            saver.on_done = self._on_save_done
         self._closed = False
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -487,6 +495,26 @@ class KVWorkerSide:
             self._save_t0.pop(rid, None)
         return sending or None, recving or None
 
+    # -- events --------------------------------------------------------------------------------------
+    def _on_save_done(self, ident: object, ok: bool) -> None:
+        events = self.events
+        if events is not None and isinstance(ident, bytes):  # every KV save is known by its value hash
+            if ok:
+                events.saved(ident)
+            else:
+                events.failed(ident)
+
+    def report_removed(self, keys: Iterable[str]) -> None:
+        """Store keys that left the store (an eviction, an expiry): the one call a removal source makes,
+        from any thread; they become ``BlockRemoved`` events on the scheduler side. No-op with events off."""
+        if self.events is not None:
+            self.events.report_removed(keys)
+
+    def events_report(self) -> SavedReport | None:
+        """``build_connector_worker_meta``: the values confirmed or failed, and keys removed, since the last
+        call (None: events off, or nothing new)."""
+        return self.events.take() if self.events is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -500,6 +528,9 @@ class KVWorkerSide:
         is reported as ``saves_submitted``. Also the store's outages and reachability.
         """
         changed = self._totals.take()
+        if self.events is not None and self.events.dropped != self._events_dropped:
+            changed["events_dropped"] = self.events.dropped - self._events_dropped
+            self._events_dropped = self.events.dropped
         if not changed and self._stats.is_empty():
             return None
         stats, self._stats = self._stats, AsyncConnKVStats()
@@ -517,6 +548,7 @@ class KVWorkerSide:
             "load_errors": len(self._load_errors),
             "sync_failed": int(self._sync_failed),
             "deletes": self._purger.pending,
+            "event_reports": self.events.held() if self.events is not None else 0,
         }
         out.update({f"loader_{k}": v for k, v in self.loader.held().items()})
         out.update({f"saver_{k}": v for k, v in self.saver.held().items()})
