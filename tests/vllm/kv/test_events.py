@@ -165,7 +165,8 @@ class _Published:
         self.batches.append(batch)
 
     def ours(self, medium: str) -> list[Any]:
-        return [e for b in self.batches for e in b.events if isinstance(e, BlockStored) and e.medium == medium]
+        events = [e for b in self.batches for e in b.events]
+        return [e for e in events if isinstance(e, BlockStored) and e.medium == medium]
 
     def shutdown(self) -> None:
         pass
