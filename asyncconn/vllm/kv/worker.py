@@ -146,7 +146,7 @@ class KVWorkerSide:
         self._finishing: set[str] = set()  # finished by vLLM, to report in finished_sending
         self._save_t0: dict[str, float] = {}
         self._purger = Purger(self.runtime, self.store)  # corrupt values being removed
-        self.loader.on_corrupt = self._purger.remove  # every damaged value it meets, wanted still or not
+        self.loader.on_corrupt = self._on_corrupt  # every damaged value it meets, wanted still or not
         self._stats = AsyncConnKVStats()
         self._issued: AsyncConnKVMetadata | None = None  # the last step's metadata whose loads were issued
         # A sync load failed this step: what this step computes on top of its blocks is wrong -- for the
@@ -496,6 +496,11 @@ class KVWorkerSide:
         return sending or None, recving or None
 
     # -- events --------------------------------------------------------------------------------------
+    def _on_corrupt(self, key: str) -> None:
+        """A damaged value is deleted from the store: a removal routers hear of (with events on)."""
+        self._purger.remove(key)
+        self.report_removed([key])
+
     def _on_save_done(self, ident: object, ok: bool) -> None:
         events = self.events
         if events is not None and isinstance(ident, bytes):  # every KV save is known by its value hash

@@ -219,3 +219,44 @@ def test_hits_are_counted_under_the_stores_source(make_sim: Any, tmp_path: Path)
     hits = {k: v for s in seen for k, v in s.items()}
     assert hits == {CacheHitSource.DISK: 4 * 16}
     assert leaks(sim) == []
+
+
+def test_a_corrupt_value_removed_from_the_store_is_announced_removed(make_sim: Any) -> None:
+    """The one removal main can see: a load that finds a damaged value deletes it (the purger), and vLLM's
+    scheduler publishes a ``BlockRemoved`` of exactly that value's block."""
+    import asyncio
+
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from asyncconn.backend import open_backend
+
+    url = store_url()
+    sim = make_sim(kv=kv_spec(url), kv_events=True, kv_load_failure_policy="recompute")
+    published = _Published()
+    sim.scheduler.kv_event_publisher = published
+    tokens = prompt(8, 4 * 16)
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    request = _request("h", tokens)
+    hashes = list(request.block_hashes)
+    assert {h for e in published.ours("CPU") for h in e.block_hashes} == set(_published(hashes))
+    keys = sim.workers[0].kv_connector.worker_side.keys
+    bad = keys.store_key(hashes[1], 0)
+
+    async def corrupt() -> None:
+        backend = await open_backend(url)
+        (value,) = await backend.get([bad])
+        assert value is not None
+        raw = bytearray(b"".join(bytes(c) for c in value))
+        raw[-1] ^= 0xFF
+        await backend.put([(bad, bytes(raw))])
+
+    asyncio.run(corrupt())
+    assert sim.scheduler.reset_prefix_cache()  # the next request asks the store, not vLLM's own cache
+    sim.add_request("b", tokens, max_tokens=2)
+    run_checked(sim)
+    removed = [e for b in published.batches for e in b.events if isinstance(e, BlockRemoved)]
+    assert [(e.block_hashes, e.medium) for e in removed if e.medium == "CPU"] == [
+        ([maybe_convert_block_hash(hashes[1])], "CPU")
+    ]
+    assert leaks(sim) == []
