@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -171,6 +171,7 @@ class KVEvents:
     def __init__(self, keys: KeySpace, tier: Tier) -> None:
         from vllm.distributed import kv_events
 
+        self._convert = _hash_converter()
         self.keys = keys
         self.tier = tier
         self._stored_cls = kv_events.BlockStored
@@ -294,8 +295,7 @@ class KVEvents:
 
     def _stored_event(self, request: Any, first: int, end: int, block_size: int) -> Any:
         """vLLM's ``BlockStored`` for blocks ``first..end`` of ``request``, as its prefix cache builds one."""
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
+        convert = self._convert
         hashes = request.block_hashes
         lora = getattr(request, "lora_request", None)
         kwargs: dict[str, Any] = dict(self._optional)
@@ -304,8 +304,8 @@ class KVEvents:
         if self._has_session:
             kwargs["session_id"] = getattr(request, "session_id", None)
         return self._stored_cls(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:end]],
-            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
+            block_hashes=[convert(h) for h in hashes[first:end]],
+            parent_block_hash=convert(hashes[first - 1]) if first > 0 else None,
             token_ids=list(request.all_token_ids[first * block_size : end * block_size]),
             block_size=block_size,
             lora_id=lora.adapter_id if lora is not None else None,
@@ -315,9 +315,32 @@ class KVEvents:
         )
 
 
+def _hash_converter() -> Callable[[bytes], Any]:
+    """vLLM's ``maybe_convert_block_hash`` (a block hash as events carry it: bytes, or its low 64 bits as an
+    int with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), without its per-call environment lookup -- the cost
+    that dominated a value's event -- when it behaves as one of those two; else vLLM's own function."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    probe = bytes(range(1, 33))
+    converted = maybe_convert_block_hash(probe)  # type: ignore[arg-type]
+    if converted == probe:
+        return bytes
+    mask = (1 << 64) - 1
+    if converted == int.from_bytes(probe, "big") & mask:
+        return lambda block_hash: int.from_bytes(block_hash, "big") & mask
+    return maybe_convert_block_hash  # type: ignore[no-any-return]
+
+
 def _extra_keys(request: Any, first: int, end: int, block_size: int) -> Any:
-    """Per block, the extra keys vLLM hashed (LoRA, multimodal items, cache salt), in its event format;
-    None where this vLLM has no helper for it."""
+    """Per block, the extra keys vLLM hashed (LoRA, multimodal items, cache salt, prompt embeddings), in its
+    event format; None where this vLLM has no helper for it."""
+    if not (
+        getattr(request, "mm_features", None)
+        or getattr(request, "lora_request", None)
+        or (first == 0 and getattr(request, "cache_salt", None))
+        or getattr(request, "prompt_embeds", None) is not None
+    ):
+        return [None] * (end - first)  # what vLLM's helpers give a plain text request, for a fraction
     from vllm.v1.core import kv_cache_utils
 
     generate = getattr(kv_cache_utils, "generate_block_hash_extra_keys", None)
