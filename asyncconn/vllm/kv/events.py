@@ -12,9 +12,10 @@ How a value gets there, without ever waiting on vLLM's threads:
 * The scheduler side snapshots the payload when it plans a value's save (it holds the ``Request``; a worker
   never sees token ids): :meth:`KVEvents.planned`.
 * Each worker notes the value hashes its save tracker confirmed (written, or found already there) or failed,
-  and the store keys a removal source reported (:meth:`SaveReports.report_removed`, any thread; today the
-  worker deleting a damaged value a load found), and hands them over through vLLM's worker-to-scheduler
-  channel (``build_connector_worker_meta``): a :class:`SavedReport`, merged across workers by vLLM.
+  and the store keys a removal source reported (:meth:`SaveReports.report_removed`, any thread: the worker
+  deleting a damaged value a load found, a backend's ``on_removed`` hook where it has one), and hands them
+  over through vLLM's worker-to-scheduler channel (``build_connector_worker_meta``): a
+  :class:`SavedReport`, merged across workers by vLLM.
 * The scheduler side counts the ranks (``update_connector_output``): a value every saving rank confirmed
   becomes a ``BlockStored`` in a bounded buffer that vLLM drains with ``take_events`` after each step; a
   failure drops the snapshot. A removed key becomes a ``BlockRemoved`` of the value's block hashes while the

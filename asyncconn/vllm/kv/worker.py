@@ -41,6 +41,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -160,6 +161,11 @@ class KVWorkerSide:
         self._events_dropped = 0  # ``events.dropped`` at the last stats()
         if events is not None:
             saver.on_done = self._on_save_done
+            # A backend that reports its own removals (eviction, expiry: ``StorageBackend.on_removed``,
+            # where the backend contract has it) tells us too; feature-detected, never required.
+            backend: Any = store.backend
+            if hasattr(backend, "on_removed"):
+                backend.on_removed = self.report_removed
         self._closed = False
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -564,6 +570,9 @@ class KVWorkerSide:
         if self._closed:
             return
         self._closed = True
+        backend: Any = self.store.backend
+        if self.events is not None and getattr(backend, "on_removed", None) == self.report_removed:
+            backend.on_removed = None  # the backend must not reach into a closed worker
         self.loader.close(timeout)
         self.saver.close(timeout).log(
             log, "KV connector", timeout, "those prompts are computed again on their next request"

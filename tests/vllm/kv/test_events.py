@@ -260,3 +260,40 @@ def test_a_corrupt_value_removed_from_the_store_is_announced_removed(make_sim: A
         ([maybe_convert_block_hash(hashes[1])], "CPU")
     ]
     assert leaks(sim) == []
+
+
+def test_a_backend_that_reports_its_removals_is_heard(make_sim: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend with the ``on_removed`` hook (the backend contract's removal report: ``file://`` eviction and
+    expiry) gets the worker's ``report_removed``; the keys it reports, on its loop thread, become one
+    ``BlockRemoved`` of those values' blocks; closing the worker unhooks it."""
+    from asyncconn_backends.memory import MemoryBackend
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from asyncconn.runtime import get_runtime
+
+    monkeypatch.setattr(MemoryBackend, "on_removed", None, raising=False)  # a backend with the hook
+    sim = make_sim(kv=kv_spec(store_url()), kv_events=True)
+    published = _Published()
+    sim.scheduler.kv_event_publisher = published
+    tokens = prompt(9, 3 * 16)
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    worker = sim.workers[0].kv_connector.worker_side
+    backend = worker.store.backend
+    assert backend.on_removed == worker.report_removed
+    hashes = list(_request("h", tokens).block_hashes)
+    keys = [worker.keys.store_key(h, 0) for h in hashes[:2]]
+
+    async def evict() -> None:  # as a sweep would: on the loop thread
+        backend.on_removed(keys)
+
+    get_runtime().run(evict())
+    sim.add_request("b", prompt(10, 20), max_tokens=1)  # any step carries the report
+    run_checked(sim)
+    removed = [e for b in published.batches for e in b.events if isinstance(e, BlockRemoved)]
+    assert [e.block_hashes for e in removed if e.medium == "CPU"] == [
+        [maybe_convert_block_hash(h) for h in hashes[:2]]
+    ]
+    assert leaks(sim) == []
+    sim.close()
+    assert backend.on_removed is None
