@@ -274,7 +274,10 @@ class SaveTracker:
         if self._thread is None or not isinstance(values, Pieces):
             accepted = 0
             for key, value in zip(keys, values, strict=True):
-                accepted += self.submit(request_id, cast(str, key) if name is None else name(key), value)
+                if name is None:
+                    accepted += self.submit(request_id, cast(str, key), value)
+                else:  # known by the identity, as the group path knows it
+                    accepted += self.submit(request_id, name(key), value, ident=key)
             return accepted
         if not keys:
             return 0

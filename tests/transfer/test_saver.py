@@ -517,9 +517,15 @@ def test_on_done_names_each_save_by_its_ident(runtime: Runtime, gated: GatedBack
     assert tracker.submit_stacked(items, stacked, [b"a", b"b", b"a"]) == [0, 1]  # b"a" twice: one save
     assert tracker.submit("q", "k-c", torch.ones(2), ident=b"c")
     assert not tracker.submit("q", "other-key", torch.ones(2), ident=b"b")  # in flight by ident
+    # plain tensors with ``name``: one submit each, still known by the identity
+    def hexed(ident: bytes) -> str:
+        return "k-" + ident.hex()
+
+    assert tracker.submit_many("p", [b"e", b"a"], [torch.ones(2), torch.ones(2)], name=hexed) == 1
     runtime.call_soon(gated.gate.set)
-    assert drain_saves(tracker, {"r", "q"}) == {"r", "q"}
-    assert sorted(done) == [(b"a", True), (b"b", True), (b"c", True)]
+    assert drain_saves(tracker, {"r", "q", "p"}) == {"r", "q", "p"}
+    assert sorted(done) == [(b"a", True), (b"b", True), (b"c", True), (b"e", True)]
+    assert stored(runtime, store, "k-" + b"e".hex()) is not None
     back = stored(runtime, store, "k-b")
     assert back is not None and torch.equal(back, stacked[1])
     gated.fail_puts = True  # the store refuses: reported not ok
