@@ -28,6 +28,7 @@ counted in :attr:`KVEvents.dropped`.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from asyncconn.vllm.kv.keys import KeySpace
 
 __all__ = ["MAX_EVENTS", "MAX_VALUES", "KVEvents", "SaveReports", "SavedReport", "Tier", "tier_of"]
+
+log = logging.getLogger(__name__)
 
 #: Events kept for ``take_events`` at most; vLLM takes them after every step.
 MAX_EVENTS = 10_000
@@ -190,6 +193,7 @@ class KVEvents:
         self._stored: collections.OrderedDict[bytes, list[Any]] = collections.OrderedDict()  # -> event hashes
         self._key_to_value: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._events: collections.deque[Any] = collections.deque()
+        self.off = False  # set when this vLLM refused our payload (see ``planned``)
         self.dropped = 0  # events (or snapshots) let go because the buffers were full
 
     @property
@@ -198,7 +202,21 @@ class KVEvents:
 
     # -- the sink -----------------------------------------------------------------------------------------
     def planned(self, request_id: str, request: Any, values: Sequence[tuple[int, bytes]]) -> None:
-        """``request`` plans to save ``values`` (value index, value hash): snapshot each one's payload."""
+        """``request`` plans to save ``values`` (value index, value hash): snapshot each one's payload.
+
+        A payload this vLLM refuses (a ``BlockStored`` of another shape than the ones this module knows)
+        turns the events off with one warning: never an exception on the scheduler's thread.
+        """
+        if self.off:
+            return
+        try:
+            self._planned(request_id, request, values)
+        except (TypeError, ValueError, AttributeError, IndexError) as exc:
+            self.off = True
+            self.close()
+            log.warning("asyncconn KV events off: this vLLM refused a BlockStored event: %s", exc)
+
+    def _planned(self, request_id: str, request: Any, values: Sequence[tuple[int, bytes]]) -> None:
         bpv = self.keys.blocks_per_value
         block_size = self.keys.identity.block_size
         mine = self._by_request.setdefault(request_id, [])

@@ -297,3 +297,24 @@ def test_a_backend_that_reports_its_removals_is_heard(make_sim: Any, monkeypatch
     assert leaks(sim) == []
     sim.close()
     assert backend.on_removed is None
+
+
+def test_a_payload_vllm_refuses_turns_the_events_off_without_raising(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A later vLLM whose ``BlockStored`` wants a field this module does not fill: one warning, no events,
+    nothing raised into the scheduler."""
+    events = _events()
+
+    def refuses(**kwargs: Any) -> Any:
+        raise TypeError("missing required argument 'new_field'")
+
+    monkeypatch.setattr(events, "_stored_cls", refuses)
+    request = _request("a", prompt(11, 2 * BLOCK))
+    h = list(request.block_hashes)
+    with caplog.at_level("WARNING", logger="asyncconn.vllm.kv.events"):
+        events.planned("a", request, [(0, h[0]), (1, h[1])])
+        events.planned("b", request, [(0, h[0])])
+    assert events.off and "new_field" in caplog.text and caplog.text.count("KV events off") == 1
+    events.update(SavedReport(saved={h[0]: 1, h[1]: 1}))
+    assert events.take() == [] and events.held() == {"event_requests": 0, "event_snapshots": 0}
