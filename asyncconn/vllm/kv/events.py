@@ -186,6 +186,8 @@ class KVEvents:
             for name, value in (("locality", tier.locality), ("ownership", tier.ownership))
             if name in fields
         }
+        removed_fields = set(getattr(kv_events.BlockRemoved, "__struct_fields__", ()))
+        self._removed_optional = {"locality", "ownership"} & removed_fields
         self._has_extra_keys = "extra_keys" in fields
         self._has_session = "session_id" in fields
         self._pending: collections.OrderedDict[bytes, _Pending] = collections.OrderedDict()
@@ -246,7 +248,8 @@ class KVEvents:
                 hashes.extend(block_hashes)
         if hashes:
             tier = tier or self.tier
-            kwargs = {"locality": tier.locality, "ownership": tier.ownership} if self._optional else {}
+            known = {"locality": tier.locality, "ownership": tier.ownership}
+            kwargs = {name: known[name] for name in self._removed_optional}
             self._emit(self._removed_cls(block_hashes=hashes, medium=tier.medium, **kwargs))
 
     def removed_keys(self, keys: Iterable[str]) -> None:
