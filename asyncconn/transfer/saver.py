@@ -196,6 +196,9 @@ class SaveTracker:
         self._inflight_keys: set[Hashable] = set()
         self._failure_log = RateLimitedLog(log)  # a store that is down fails every batch: not a line each
         self._closed = False
+        #: Called on this thread with ``(ident, ok)`` as each admitted save ends (ok: the value is in the
+        #: store, written or found there); the KV adapter's events hook in here.
+        self.on_done: Callable[[Hashable, bool], None] | None = None
         # Leak counters.
         self.buffers_out = 0
         self.events_out = 0
@@ -214,15 +217,20 @@ class SaveTracker:
         return self._thread
 
     # -- public API ------------------------------------------------------------------------------------
-    def submit(self, request_id: str, key: str, tensor: torch.Tensor | LazyTensor) -> bool:
+    def submit(
+        self, request_id: str, key: str, tensor: torch.Tensor | LazyTensor, *, ident: Hashable = None
+    ) -> bool:
         """Stage ``tensor`` to save under ``key`` for ``request_id``; never waits, never wakes the loop.
 
         ``tensor`` may be a :class:`LazyTensor`: with a copy thread it is evaluated there, otherwise here.
         Returns False when the key is skipped as a duplicate (saved recently or being saved now).
+        ``ident``: what duplicates are detected by and ``on_done`` names (default: ``key``), as in
+        :meth:`submit_many`.
         """
         if self._closed:
             raise TransferError("SaveTracker is closed")
-        if not self._admit(request_id, key):
+        ident = key if ident is None else ident
+        if not self._admit(request_id, ident):
             return False
         if self._thread is None:
             if not isinstance(tensor, torch.Tensor):
@@ -230,6 +238,7 @@ class SaveTracker:
             save = Save(request_id, key, tensor, self.device.mark())
         else:
             save = Save(request_id, key, tensor, None)
+        save.ident = ident
         if self._queued or not self._snapshot(save):
             self._queued.append(save)
             if self._thread is not None and not isinstance(tensor, torch.Tensor):
@@ -265,7 +274,10 @@ class SaveTracker:
         if self._thread is None or not isinstance(values, Pieces):
             accepted = 0
             for key, value in zip(keys, values, strict=True):
-                accepted += self.submit(request_id, cast(str, key) if name is None else name(key), value)
+                if name is None:
+                    accepted += self.submit(request_id, cast(str, key), value)
+                else:  # known by the identity, as the group path knows it
+                    accepted += self.submit(request_id, name(key), value, ident=key)
             return accepted
         if not keys:
             return 0
@@ -294,7 +306,12 @@ class SaveTracker:
         self._groups.append(group)
         return len(taken)
 
-    def submit_stacked(self, items: Sequence[tuple[str, str]], stacked: torch.Tensor) -> list[int]:
+    def submit_stacked(
+        self,
+        items: Sequence[tuple[str, str]],
+        stacked: torch.Tensor,
+        idents: Sequence[Hashable] | None = None,
+    ) -> list[int]:
         """Save ``stacked[i]`` under ``items[i] = (request_id, key)``: one staging span and one snapshot copy
         for them all; returns the rows accepted (duplicates are skipped as :meth:`submit` skips them).
 
@@ -304,18 +321,23 @@ class SaveTracker:
         the accepted rows (a copy per run of consecutive rows), one event. ``stacked`` must not be written
         until the requests are reported (the same contract as ``submit``). When saves are queued already,
         the pool cannot give the span now, or the tracker has a copy thread, the values go through
-        :meth:`submit` one by one.
+        :meth:`submit` one by one. ``idents[i]``: what row ``i`` is known by (default: its key; see
+        :meth:`submit`).
         """
         if self._closed:
             raise TransferError("SaveTracker is closed")
         if len(items) != len(stacked):
             raise TransferError(f"submit_stacked: {len(items)} items for {len(stacked)} values")
-        seen: set[str] = set()
+        if idents is None:
+            idents = [key for _, key in items]
+        elif len(idents) != len(items):
+            raise TransferError(f"submit_stacked: {len(idents)} idents for {len(items)} items")
+        seen: set[Hashable] = set()
         taken: list[int] = []
-        for i, (_, key) in enumerate(items):
-            if key not in seen and not self._known(key):
+        for i, ident in enumerate(idents):
+            if ident not in seen and not self._known(ident):
                 taken.append(i)
-            seen.add(key)
+            seen.add(ident)
         nbytes = stacked[0].numel() * stacked.element_size() if len(items) else 0
         stride = aligned(nbytes)
         buf = None
@@ -323,15 +345,18 @@ class SaveTracker:
             with contextlib.suppress(PoolTooSmall):  # one by one below: each value may still fit
                 buf = self.pool.acquire(stride * len(taken))
         if buf is None:
-            return [i for i, (rid, key) in enumerate(items) if self.submit(rid, key, stacked[i])]
+            return [
+                i for i, (rid, key) in enumerate(items) if self.submit(rid, key, stacked[i], ident=idents[i])
+            ]
         self.buffers_out += 1
         span = Span(buf, len(taken))
         producer = self.device.mark()
         saves: list[Save] = []
         for i, (rid, key) in enumerate(items):
-            if not self._admit(rid, key):  # the same rows as ``taken``: the same test, in the same order
+            if not self._admit(rid, idents[i]):  # the rows of ``taken``: the same test, in the same order
                 continue
             save = Save(rid, key, stacked[i], None)
+            save.ident = idents[i]
             save.source = None
             save.span, save.offset = span, len(saves) * stride
             saves.append(save)
@@ -350,11 +375,11 @@ class SaveTracker:
         self._copying.extend(saves)
         return taken
 
-    def _known(self, key: str) -> bool:
+    def _known(self, key: Hashable) -> bool:
         """``key`` is being saved now or was saved recently: another save of it is a duplicate."""
         return key in self._inflight_keys or key in self._recent
 
-    def _admit(self, request_id: str, key: str) -> bool:
+    def _admit(self, request_id: str, key: Hashable) -> bool:
         """Count a save of ``key`` against its request, or skip it as a duplicate (saved recently or being
         saved now; a request with nothing pending is then finished)."""
         request = self._requests.get(request_id)
@@ -712,6 +737,8 @@ class SaveTracker:
                 self.buffers_out -= 1
         save.source = None
         self._inflight_keys.discard(save.ident)
+        if self.on_done is not None:
+            self.on_done(save.ident, failure is None)
         if failure is not None:
             self.failures[failure] += 1
         if failure is not None and not quiet:

@@ -31,6 +31,11 @@ preempted   discarded; the store is asked  cannot happen (a request waiting    p
                                                                                ``handle_preemptions``
 ==========  =============================  ==================================  ==================================
 
+KV events (vLLM's ``kv_events_config`` on; :mod:`asyncconn.vllm.kv.events`): a value a request planned to save
+is announced (``BlockStored``) once every saving rank confirmed it, also after the request finished, was
+aborted or preempted (its saves go on); the request's records go when it is reported in ``finished_sending``,
+or at ``request_finished`` when no such report will come (no saves, or finished while loading).
+
 EC connector (``AsyncConnECConnector``; saves are per item, not per request):
 
 ==========  =============================  ==================================  ==================================

@@ -1,4 +1,4 @@
-"""Stand-ins for the two vLLM base classes the KV worker side's data derive from, used only where vLLM is
+"""Stand-ins for the vLLM base classes the KV worker side's data derive from, used only where vLLM is
 not installed at all.
 
 Why: the worker side (loads, saves, KV scatter and gather) is proven on GPU machines that cannot carry vLLM
@@ -12,11 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KVConnectorMetadata", "KVConnectorStats"]
+__all__ = ["KVConnectorMetadata", "KVConnectorStats", "KVConnectorWorkerMetadata"]
 
 
 class KVConnectorMetadata:
     """vLLM's ``KVConnectorMetadata``: an empty base."""
+
+
+class KVConnectorWorkerMetadata:
+    """vLLM's ``KVConnectorWorkerMetadata``: what a worker sends its scheduler; subclasses ``aggregate``."""
 
 
 @dataclass

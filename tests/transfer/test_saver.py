@@ -503,3 +503,34 @@ def test_a_frame_stored_under_another_key_is_rejected(runtime: Runtime, store: T
     header, payload = codec.encode_parts(tensor, key="right")
     runtime.run(store.put_frames([("wrong", header, payload)]))
     assert stored(runtime, store, "wrong") is None and store.stats.corrupt == 1
+
+
+def test_on_done_names_each_save_by_its_ident(runtime: Runtime, gated: GatedBackend) -> None:
+    """``on_done`` reports every admitted save once, by ident, ok or not; ``submit_stacked`` rows given idents
+    are known (and deduplicated) by them, whatever their keys (the KV adapter's value hashes)."""
+    store = TensorStore(gated)
+    tracker = make_tracker(store, runtime)
+    done: list[tuple[object, bool]] = []
+    tracker.on_done = lambda ident, ok: done.append((ident, ok))
+    stacked = torch.randn(3, 8)
+    items = [("r", "k-a"), ("r", "k-b"), ("r", "k-a2")]
+    assert tracker.submit_stacked(items, stacked, [b"a", b"b", b"a"]) == [0, 1]  # b"a" twice: one save
+    assert tracker.submit("q", "k-c", torch.ones(2), ident=b"c")
+    assert not tracker.submit("q", "other-key", torch.ones(2), ident=b"b")  # in flight by ident
+    # plain tensors with ``name``: one submit each, still known by the identity
+    def hexed(ident: bytes) -> str:
+        return "k-" + ident.hex()
+
+    assert tracker.submit_many("p", [b"e", b"a"], [torch.ones(2), torch.ones(2)], name=hexed) == 1
+    runtime.call_soon(gated.gate.set)
+    assert drain_saves(tracker, {"r", "q", "p"}) == {"r", "q", "p"}
+    assert sorted(done) == [(b"a", True), (b"b", True), (b"c", True), (b"e", True)]
+    assert stored(runtime, store, "k-" + b"e".hex()) is not None
+    back = stored(runtime, store, "k-b")
+    assert back is not None and torch.equal(back, stacked[1])
+    gated.fail_puts = True  # the store refuses: reported not ok
+    done.clear()
+    assert tracker.submit("s", "k-d", torch.ones(2), ident=b"d")
+    assert drain_saves(tracker, {"s"}) == {"s"}
+    assert done == [(b"d", False)]
+    assert_idle(tracker)

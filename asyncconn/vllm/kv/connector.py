@@ -14,12 +14,18 @@ Hybrid allocator (``SupportsHMA``): full-attention, MLA, sliding-window and chun
 size are accepted; each value carries every layer's blocks at its group's ids, and a windowed group is
 skipped where vLLM gave it the null block (:mod:`asyncconn.vllm.kv.groups`). Mamba and other group kinds
 are refused at start-up with a message saying what to do, rather than saving KV that could not be reused.
+
+Routers and metrics (:mod:`asyncconn.vllm.kv.events`): with vLLM's KV events on (``--kv-events-config``), a
+producer publishes ``BlockStored`` for each value its workers confirmed in the store (and ``BlockRemoved``
+for removals a source reports), with the store's tier as ``medium``; external hits are counted under the
+store's ``CacheHitSource`` (``vllm:prompt_tokens_cached_by_source``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +45,7 @@ from asyncconn.store import TensorStore
 from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_devices
 from asyncconn.url import redact
 from asyncconn.vllm.checks import check_extra_config
+from asyncconn.vllm.kv.events import KVEvents, SaveReports, tier_of
 from asyncconn.vllm.kv.groups import GroupLayout, check_groups
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
@@ -49,6 +56,8 @@ from asyncconn.vllm.roles import RoleSides
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -84,6 +93,21 @@ def _tensor_parallel(vllm_config: Any) -> tuple[int, int]:
     return int(vllm_config.parallel_config.tensor_parallel_size), 0
 
 
+def _kv_events_on(vllm_config: Any) -> bool:
+    """vLLM publishes KV events (``--kv-events-config`` with ``enable_kv_cache_events``)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and getattr(events, "enable_kv_cache_events", False))
+
+
+def _hit_source(name: str) -> Any:
+    """vLLM's ``CacheHitSource`` member ``name`` (None where this vLLM has no such enum)."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return None
+    return CacheHitSource(name)
+
+
 class AsyncConnKVConnector(
     KVConnectorBase_V1,  # type: ignore[misc]  # vLLM is not followed
     SupportsHMA,  # type: ignore[misc]
@@ -108,6 +132,11 @@ class AsyncConnKVConnector(
         keys = KeySpace(self._identity, self.settings.key_prefix)
         self._scheduler: KVSchedulerSide | None = None
         self._worker: KVWorkerSide | None = None
+        self.tier = tier_of(self.settings.backend_url)
+        source = _hit_source(self.tier.hit_source)
+        if source is not None:  # what vLLM's get_external_cache_hit_sources counts our hits under
+            self._cache_hit_source = source
+        events = _kv_events_on(vllm_config) and config.is_kv_producer
         if role == KVConnectorRole.SCHEDULER:
             lookup = None
             if config.is_kv_consumer:
@@ -118,11 +147,12 @@ class AsyncConnKVConnector(
                 save=config.is_kv_producer,
                 sync_lookup=self.settings.sync_lookup,
                 sync_loads=self.settings.kv_sync_loads,
+                events=KVEvents(keys, self.tier) if events else None,
             )
             where = _lookups(self.settings, lookup)
             log_start("KV", f"scheduler ({config.kv_role})", self.settings, lookups=where)
         else:
-            self._worker = self._build_worker(keys, groups, rank, kv_cache_config)
+            self._worker = self._build_worker(keys, groups, rank, kv_cache_config, events=events)
             log_start("KV", f"worker rank {rank} of {tp_size} ({config.kv_role})", self.settings)
 
     @classmethod
@@ -145,6 +175,8 @@ class AsyncConnKVConnector(
         groups: GroupLayout,
         rank: int,
         kv_cache_config: Any,
+        *,
+        events: bool,
     ) -> KVWorkerSide:
         settings = self.settings
         runtime = get_runtime()
@@ -187,6 +219,7 @@ class AsyncConnKVConnector(
             load_timeout=settings.load_timeout,
             preempt_timeout=settings.preempt_timeout,
             windowed=groups.windowed,
+            events=SaveReports() if events else None,
         )
 
     # -- the one object this facade delegates to -------------------------------------------------------
@@ -196,6 +229,8 @@ class AsyncConnKVConnector(
         keys = KeySpace(self._identity, self.settings.key_prefix)
         if self._scheduler is not None:
             self._scheduler.keys = keys
+            if self._scheduler.events is not None:
+                self._scheduler.events.keys = keys
         if self._worker is not None:
             self._worker.keys = keys
             self._worker.set_rank(rank)
@@ -258,6 +293,10 @@ class AsyncConnKVConnector(
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Values this worker's store confirmed, for the scheduler's KV events (None: events off)."""
+        return self.worker_side.events_report()
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self._worker if self._worker is not None else self._scheduler
         return side.stats() if side is not None else None
@@ -301,6 +340,10 @@ class AsyncConnKVConnector(
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_side.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """``BlockStored`` / ``BlockRemoved`` for vLLM's KV event publisher (none when events are off)."""
+        return self.scheduler_side.take_events()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request)

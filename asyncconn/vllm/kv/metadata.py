@@ -102,6 +102,7 @@ CAUSES = tuple(f.value for f in Failure if f is not Failure.NOT_CACHED)
 #: Counters (summed). ``tokens_*`` count tokens, ``bytes_*`` bytes on this worker. ``saves`` are values the
 #: store confirmed written; ``saves_submitted`` those handed to the save tracker; failed ones are counted in
 #: ``save_failures`` only. ``store_outages``: times a process's store went from reachable to unreachable.
+#: ``events_dropped``: KV events (or their records) let go from a full buffer (``asyncconn.vllm.kv.events``).
 COUNTERS = (
     "lookups",
     "lookup_hits",
@@ -123,6 +124,7 @@ COUNTERS = (
     "tokens_saved",
     "bytes_saved",
     "store_outages",
+    "events_dropped",
 )
 #: Gauges, carried as changes (summed like counters): ``store_unreachable`` is the number of processes
 #: (scheduler, workers) whose store is unreachable right now.

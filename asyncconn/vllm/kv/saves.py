@@ -116,7 +116,8 @@ class InlineSaves(StepSaves):
         names = keys.store_keys([ref.value_hash for _, ref in refs], rank)
         items = [(rid, key) for (rid, _), key in zip(refs, names, strict=True)]
         accepted = dict.fromkeys((rid for rid, _ in refs), 0)
-        for row in self.saver.submit_stacked(items, stacked):
+        idents = [ref.value_hash for _, ref in refs]  # as CopyThreadSaves: a value is known by its hash
+        for row in self.saver.submit_stacked(items, stacked, idents):
             accepted[items[row][0]] += 1
         return accepted, len(refs)
 

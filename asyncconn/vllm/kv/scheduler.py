@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncconn.lookup.client import LookupClient
+from asyncconn.vllm.kv.events import KVEvents, SavedReport
 from asyncconn.vllm.kv.groups import has_null, real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.metadata import (
@@ -58,6 +59,8 @@ class KVSchedulerSide:
     consumer-only one. ``sync_lookup`` blocks in the scheduler until each lookup answers (baseline only).
     ``sync_loads`` makes loads synchronous in vLLM's sense: a request is scheduled on top of its hit at
     once, and the step that schedules it waits (on the workers) for its values before the forward.
+    ``events`` (vLLM's KV events on): planned values are snapshotted there and published once the workers
+    confirm them (:mod:`asyncconn.vllm.kv.events`).
     """
 
     def __init__(
@@ -68,8 +71,11 @@ class KVSchedulerSide:
         save: bool,
         sync_lookup: bool = False,
         sync_loads: bool = False,
+        events: KVEvents | None = None,
     ) -> None:
         self.keys = keys
+        self.events = events
+        self._events_dropped = 0  # ``events.dropped`` at the last stats()
         self.lookup = lookup
         self.save = save
         self.sync_lookup = sync_lookup
@@ -236,23 +242,28 @@ class KVSchedulerSide:
             return
         # A value with the null block in a windowed group (blocks vLLM freed, or never gave, outside the
         # window) cannot be saved whole: it is skipped (a later request's hit stops before it).
-        values = tuple(
-            ref
-            for ref in (
-                ValueRef(
-                    hashes[v],
-                    tuple(range(bpv)),
-                    tuple(tuple(g[v * bpv : (v + 1) * bpv]) for g in state.block_ids),
+        planned = [
+            (v, ref)
+            for v, ref in (
+                (
+                    v,
+                    ValueRef(
+                        hashes[v],
+                        tuple(range(bpv)),
+                        tuple(tuple(g[v * bpv : (v + 1) * bpv]) for g in state.block_ids),
+                    ),
                 )
                 for v in range(state.stored_values, full)
             )
             if not has_null(ref.block_ids)
-        )
+        ]
         state.stored_values = full
-        if not values:
+        if not planned:
             return
         state.had_saves = True
-        meta.saves.append(SaveSpec(rid, values))
+        meta.saves.append(SaveSpec(rid, tuple(ref for _, ref in planned)))
+        if self.events is not None:
+            self.events.planned(rid, state.request, [(v, ref.value_hash) for v, ref in planned])
 
     def update_connector_output(self, output: Any) -> None:
         """A received request's blocks are the scheduler's again; failed values are saved anew later.
@@ -263,6 +274,13 @@ class KVSchedulerSide:
         request holding an invalid block -- the one that loaded it included -- saves again from the value
         that holds it.
         """
+        events = self.events
+        if events is not None:  # the workers' confirmations first: a finished request's come with it
+            report = getattr(output, "kv_connector_worker_meta", None)
+            if isinstance(report, SavedReport):
+                events.update(report)
+            for rid in output.finished_sending or ():
+                events.release(rid)
         invalid = set(output.invalid_block_ids or ())
         for rid in output.finished_recving or ():
             state = self._reqs.get(rid)
@@ -290,12 +308,19 @@ class KVSchedulerSide:
         rid = request.request_id
         state = self._reqs.get(rid)
         self._forget(rid)
+        released = state is None or state.loading is not None or not state.had_saves
+        if released and self.events is not None:  # no finished_sending will come for it
+            self.events.release(rid)
         if state is None:
             return False, None
         if state.loading is not None:
             self._via_recv.add(rid)
             return True, None
         return state.had_saves, None
+
+    def take_events(self) -> list[Any]:
+        """vLLM's ``take_events``: the KV events since the last call (none when events are off)."""
+        return self.events.take() if self.events is not None else []
 
     def _forget(self, rid: str) -> None:
         self._reqs.pop(rid, None)
@@ -310,6 +335,9 @@ class KVSchedulerSide:
         lookup = self.lookup
         observed = sum(lookup.metrics.latency_buckets) if lookup is not None else 0
         changed = self._totals.take()
+        if self.events is not None and self.events.dropped != self._events_dropped:
+            changed["events_dropped"] = self.events.dropped - self._events_dropped
+            self._events_dropped = self.events.dropped
         if observed == self._lookups_seen and not changed and self._stats.is_empty():
             return None  # nothing happened since the last call (most steps): nothing allocated
         self._lookups_seen = observed
@@ -334,6 +362,8 @@ class KVSchedulerSide:
         }
         if self.lookup is not None:
             out.update({f"lookup_{k}": v for k, v in self.lookup.held().items()})
+        if self.events is not None:
+            out.update(self.events.held())
         return out
 
     def close(self) -> None:
@@ -342,5 +372,7 @@ class KVSchedulerSide:
         self._local.clear()
         self._loads.clear()
         self._via_recv.clear()
+        if self.events is not None:
+            self.events.close()
         if self.lookup is not None:
             self.lookup.close()

@@ -39,7 +39,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +50,7 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import Scattered, TensorStore
 from asyncconn.transfer import LoadResult, SaveTracker, StreamLoader, TensorSpec
 from asyncconn.transfer.purge import Purger
+from asyncconn.vllm.kv.events import SavedReport, SaveReports
 from asyncconn.vllm.kv.groups import real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.layout import CacheLayout
@@ -111,6 +114,7 @@ class KVWorkerSide:
         load_timeout: float = 10.0,
         preempt_timeout: float = 5.0,
         windowed: bool = False,
+        events: SaveReports | None = None,
     ) -> None:
         if loader.device is saver.device:
             raise ConfigError(
@@ -143,7 +147,7 @@ class KVWorkerSide:
         self._finishing: set[str] = set()  # finished by vLLM, to report in finished_sending
         self._save_t0: dict[str, float] = {}
         self._purger = Purger(self.runtime, self.store)  # corrupt values being removed
-        self.loader.on_corrupt = self._purger.remove  # every damaged value it meets, wanted still or not
+        self.loader.on_corrupt = self._on_corrupt  # every damaged value it meets, wanted still or not
         self._stats = AsyncConnKVStats()
         self._issued: AsyncConnKVMetadata | None = None  # the last step's metadata whose loads were issued
         # A sync load failed this step: what this step computes on top of its blocks is wrong -- for the
@@ -152,6 +156,16 @@ class KVWorkerSide:
         self._sync_failed = False
         # The save tracker's, loader's and store's running totals, reported as changes (see ``stats``).
         self._totals = worker_totals(saver, loader, store, keys.tokens_per_value)
+        # KV events on (vLLM's ``kv_events_config``): which values the store confirmed, for the scheduler.
+        self.events = events
+        self._events_dropped = 0  # ``events.dropped`` at the last stats()
+        if events is not None:
+            saver.on_done = self._on_save_done
+            # A backend that reports its own removals (eviction, expiry: ``StorageBackend.on_removed``,
+            # where the backend contract has it) tells us too; feature-detected, never required.
+            backend: Any = store.backend
+            if hasattr(backend, "on_removed"):
+                backend.on_removed = self.report_removed
         self._closed = False
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -487,6 +501,31 @@ class KVWorkerSide:
             self._save_t0.pop(rid, None)
         return sending or None, recving or None
 
+    # -- events --------------------------------------------------------------------------------------
+    def _on_corrupt(self, key: str) -> None:
+        """A damaged value is deleted from the store: a removal routers hear of (with events on)."""
+        self._purger.remove(key)
+        self.report_removed([key])
+
+    def _on_save_done(self, ident: object, ok: bool) -> None:
+        events = self.events
+        if events is not None and isinstance(ident, bytes):  # every KV save is known by its value hash
+            if ok:
+                events.saved(ident)
+            else:
+                events.failed(ident)
+
+    def report_removed(self, keys: Iterable[str]) -> None:
+        """Store keys that left the store (an eviction, an expiry): the one call a removal source makes,
+        from any thread; they become ``BlockRemoved`` events on the scheduler side. No-op with events off."""
+        if self.events is not None:
+            self.events.report_removed(keys)
+
+    def events_report(self) -> SavedReport | None:
+        """``build_connector_worker_meta``: the values confirmed or failed, and keys removed, since the last
+        call (None: events off, or nothing new)."""
+        return self.events.take() if self.events is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -500,6 +539,9 @@ class KVWorkerSide:
         is reported as ``saves_submitted``. Also the store's outages and reachability.
         """
         changed = self._totals.take()
+        if self.events is not None and self.events.dropped != self._events_dropped:
+            changed["events_dropped"] = self.events.dropped - self._events_dropped
+            self._events_dropped = self.events.dropped
         if not changed and self._stats.is_empty():
             return None
         stats, self._stats = self._stats, AsyncConnKVStats()
@@ -517,6 +559,7 @@ class KVWorkerSide:
             "load_errors": len(self._load_errors),
             "sync_failed": int(self._sync_failed),
             "deletes": self._purger.pending,
+            "event_reports": self.events.held() if self.events is not None else 0,
         }
         out.update({f"loader_{k}": v for k, v in self.loader.held().items()})
         out.update({f"saver_{k}": v for k, v in self.saver.held().items()})
@@ -527,6 +570,9 @@ class KVWorkerSide:
         if self._closed:
             return
         self._closed = True
+        backend: Any = self.store.backend
+        if self.events is not None and getattr(backend, "on_removed", None) == self.report_removed:
+            backend.on_removed = None  # the backend must not reach into a closed worker
         self.loader.close(timeout)
         self.saver.close(timeout).log(
             log, "KV connector", timeout, "those prompts are computed again on their next request"

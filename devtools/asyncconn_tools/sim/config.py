@@ -111,12 +111,15 @@ def build_vllm_config(
     kv: ConnectorSpec | None,
     ec: ConnectorSpec | None,
     kv_load_failure_policy: str = "fail",
+    kv_events: bool = False,
 ) -> Any:
-    """Build a ``VllmConfig`` on the CPU device with the optional KV/EC transfer configs."""
+    """Build a ``VllmConfig`` on the CPU device with the optional KV/EC transfer configs; ``kv_events`` turns
+    vLLM's KV cache events on (publisher ``null``: a test replaces the scheduler's publisher to read them)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
         ECTransferConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
@@ -173,6 +176,9 @@ def build_vllm_config(
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=kv_config,
             ec_transfer_config=ec_config,
+            kv_events_config=(
+                KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
+            ),
         )
     except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
         raise SimulationError(f"vLLM rejected the simulator config: {exc}") from exc

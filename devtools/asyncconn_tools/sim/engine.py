@@ -97,6 +97,7 @@ class EngineSim:
     multiprocess executor does. ``encoder_only`` (default: the EC role is ``ec_producer``) makes this an
     E instance: requests stop once their prompt is encoded. ``kv_load_failure_policy`` is vLLM's: with
     ``"fail"`` (its default) a block reported by ``get_block_ids_with_load_errors`` fails the request.
+    ``kv_events``: vLLM's KV cache events on (publisher ``null``; replace ``scheduler.kv_event_publisher``).
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class EngineSim:
         encoder_only: bool | None = None,
         sample_token: int = 7,
         kv_load_failure_policy: str = "fail",
+        kv_events: bool = False,
     ) -> None:
         if num_workers < 1:
             raise SimulationError(f"num_workers must be >= 1, got {num_workers}")
@@ -139,6 +141,7 @@ class EngineSim:
             kv=kv,
             ec=ec,
             kv_load_failure_policy=kv_load_failure_policy,
+            kv_events=kv_events,
         )
         self.max_model_len = max_model_len
         budget = encoder_budget if encoder_budget is not None else max_num_batched_tokens

@@ -423,6 +423,7 @@ def test_random_workload_with_aborts_and_preemptions(make_sim: Any, seed: int, s
             max_num_seqs=8,
             max_num_batched_tokens=96,
             kv_load_failure_policy="recompute",
+            kv_events=True,  # the KV events' per-request records too must end at zero (``leaks``)
         )
         return sim
 

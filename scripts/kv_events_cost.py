@@ -1,0 +1,66 @@
+"""What KV events cost vLLM's scheduler thread per stored value (not run by the tests).
+
+Usage: ``.venv/bin/python scripts/kv_events_cost.py [--requests N] [--tokens N] [--block-size N]`` (defaults:
+20 requests of 4096 tokens, 16-token blocks, one block per value). Real vLLM ``Request`` objects (its block
+hasher); times :meth:`KVEvents.planned` (the snapshot taken when a save is planned) and the confirmation path
+(``update`` + ``take`` + ``release``) per value, after one warm-up request. With events off neither runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from asyncconn.vllm.kv.events import KVEvents, SavedReport, tier_of
+from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(args.block_size, sha256)
+    identity = KVIdentity("m", "", "float16", "default", args.block_size, 8, 128, ("l0",), 1, 1)
+    events = KVEvents(KeySpace(identity), tier_of("file:///kv"))
+    requests = [
+        Request(
+            f"r{i}",
+            [(i * 7919 + j) % 32000 for j in range(args.tokens)],
+            SamplingParams(max_tokens=1),
+            None,
+            block_hasher=hasher,
+        )
+        for i in range(args.requests + 1)
+    ]
+    events.planned("warm-up", requests[0], list(enumerate(requests[0].block_hashes)))
+    events.release("warm-up")
+    values = 0
+    planned = confirmed = 0.0
+    for request in requests[1:]:
+        hashes = list(request.block_hashes)
+        t0 = time.perf_counter()
+        events.planned(request.request_id, request, list(enumerate(hashes)))
+        t1 = time.perf_counter()
+        events.update(SavedReport(saved=dict.fromkeys(hashes, 1)))
+        events.take()
+        events.release(request.request_id)
+        t2 = time.perf_counter()
+        planned += t1 - t0
+        confirmed += t2 - t1
+        values += len(hashes)
+    print(
+        f"{values} values: planned {planned / values * 1e6:.1f} us/value, "
+        f"update+take+release {confirmed / values * 1e6:.1f} us/value"
+    )
+
+
+if __name__ == "__main__":
+    main()

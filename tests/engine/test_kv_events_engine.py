@@ -1,0 +1,105 @@
+"""KV events and hit sources in vLLM's real engine: what a router and a dashboard see.
+
+One engine with ``kv_events_config`` (vLLM's own ZMQ publisher) and our connector on ``file://`` computes a
+prompt; a router-like client fetches the publisher's batches over its replay socket (what a router asks for
+after a gap; the live PUB stream carries the same frames) and decodes them with msgspec as ``KVEventBatch``.
+Our ``BlockStored`` events must name the prompt's full blocks exactly as vLLM's own ``GPU`` events do. A
+second engine then loads the prompt from the store, and vLLM's ``vllm:prompt_tokens_cached_by_source``
+counts those tokens under ``disk``.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
+from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, assert_idle, generate
+
+pytestmark = pytest.mark.vllm
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _replayed_batches(replay_port: int) -> list[Any]:
+    """Every batch the publisher buffered, decoded as a router decodes them."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{replay_port}")
+        sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        batches = []
+        while True:
+            if not sock.poll(30_000):  # hang guard only: the publisher answers within its 0.1 s poll
+                raise TimeoutError("the publisher's replay socket did not answer")
+            _, _topic, seq, payload = sock.recv_multipart()
+            if seq == ZmqEventPublisher.END_SEQ:
+                return batches
+            batches.append(decoder.decode(payload))
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+def test_a_router_sees_the_stores_blocks_and_hits_count_as_disk(
+    text_model: Path, engines: list[Any], tmp_path: Path
+) -> None:
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    url = f"file://{tmp_path}"
+    replay_port = _free_port()
+    events_config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{_free_port()}",
+        replay_endpoint=f"tcp://*:{replay_port}",
+    )
+    prompt = PROMPTS[0]
+    first = make_llm(text_model, kv=kv_config(backend_url=url), kv_events_config=events_config)
+    engines.append(first)
+    generate(first, [prompt])
+    probe = Probe(first)
+    assert_idle(probe)  # every save confirmed and reported: its events are published
+    want = [maybe_convert_block_hash(h) for h in probe.block_hashes(prompt)][:FULL_BLOCKS]
+    events = [e for batch in _replayed_batches(replay_port) for e in batch.events]
+    close_llm(first)
+    engines.remove(first)
+
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    ours = [e for e in stored if e.medium == "STORAGE"]
+    assert {(e.locality, e.ownership) for e in ours} == {("LOCAL", "asyncconn:file")}
+    got = [h for e in ours for h in e.block_hashes]
+    assert len(got) == len(want) and set(got) == set(want)  # each full block once
+    # What a router matches on equals vLLM's own prefix-cache event for the same blocks.
+    gpu = {h: (e, i) for e in stored if e.medium == "GPU" for i, h in enumerate(e.block_hashes)}
+    for event in ours:
+        (block_hash,) = event.block_hashes
+        own, i = gpu[block_hash]
+        parent = own.block_hashes[i - 1] if i else own.parent_block_hash
+        assert event.parent_block_hash == parent
+        assert event.token_ids == own.token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+        assert (event.block_size, event.lora_id, event.extra_keys) == (own.block_size, None, [None])
+
+    second = make_llm(text_model, kv=kv_config(backend_url=url))
+    engines.append(second)
+    generate(second, [prompt])
+    by_source = {
+        m.labels.get("source"): m.value
+        for m in second.get_metrics()
+        if m.name == "vllm:prompt_tokens_cached_by_source" and getattr(m, "value", 0)
+    }
+    assert by_source == {"disk": FULL_BLOCKS * BLOCK_SIZE}
