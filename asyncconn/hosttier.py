@@ -28,7 +28,9 @@ import collections
 import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import ClassVar, TypeVar
+
+import numpy as np
 
 from asyncconn.backend import (
     NOT_CACHED,
@@ -46,6 +48,8 @@ from asyncconn.backend import (
 from asyncconn.url import StoreURL
 
 __all__ = ["HostTier", "OnEvict", "TierStats"]
+
+T = TypeVar("T")
 
 #: Called on the loop thread with keys that left the tier: evicted under pressure, or deleted through it.
 OnEvict = Callable[[Sequence[str]], None]
@@ -202,17 +206,19 @@ class HostLRU:
             self.on_evict(keys)
 
 
-def _value_bytes(value: Value) -> bytes:
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
-    return b"".join(value)
+def _joined(values: list[Value]) -> list[bytes]:
+    """(copy thread) Each value as one ``bytes``: ``bytes.join`` copies large buffers without the GIL."""
+    return [b"".join([v] if isinstance(v, (bytes, bytearray, memoryview)) else v) for v in values]
 
 
 def _scatter(src: memoryview, dests: list[memoryview]) -> None:
+    """(copy thread) ``src`` into ``dests`` in order; numpy copies large arrays without the GIL (vLLM's
+    thread and the loop run meanwhile)."""
     offset = 0
     for dest in dests:
-        dest[:] = src[offset : offset + dest.nbytes]
-        offset += dest.nbytes
+        n = dest.nbytes
+        np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(src[offset : offset + n], np.uint8))
+        offset += n
 
 
 class HostTier(StorageBackend):
@@ -250,11 +256,7 @@ class HostTier(StorageBackend):
     # -- writes ------------------------------------------------------------------------------------------
     async def put(self, items: Sequence[tuple[str, Value]]) -> None:
         checked_items(items)
-        kept: list[tuple[str, bytes]] = []
-        for key, value in items:
-            data = self._copy(key, value)
-            if data is not None:
-                kept.append((key, data))
+        kept = [(key, data) for key, data in await self._copies(items) if self.lru.put(key, data)]
         try:
             await self.inner.put(items)
         except BaseException:  # refused, failed or cancelled: the store may not have it
@@ -287,8 +289,8 @@ class HostTier(StorageBackend):
             found = await self.inner.get([keys[i] for i in missing])
             for i, chunks in zip(missing, found, strict=True):
                 out[i] = chunks
-                if chunks is not None:
-                    self._copy(keys[i], chunks)
+            fills = [(keys[i], chunks) for i, chunks in zip(missing, found, strict=True) if chunks]
+            self._keep(await self._copies(fills))
         return out
 
     async def get_into(self, key: str, dests: Sequence[memoryview], sink: Sink | None = None) -> int | None:
@@ -325,11 +327,16 @@ class HostTier(StorageBackend):
                 self._hit(length)
         if missing:
             lengths = await self._inner_reads([reads[i] for i in missing], cached_only)
+            fills: list[tuple[str, Value]] = []
             for i, got in zip(missing, lengths, strict=True):
                 out[i] = got
-                if got != NOT_CACHED:  # (that read is asked again, and counted then)
-                    self.stats.misses += 1
-                    self._fill(reads[i], got)
+                if got == NOT_CACHED:  # (that read is asked again, and counted then)
+                    continue
+                self.stats.misses += 1
+                key, dests, _ = reads[i]
+                if got is not None and got == sum(d.nbytes for d in dests):  # landed whole
+                    fills.append((key, dests))
+            self._keep(await self._copies(fills))
         return out
 
     async def _inner_reads(self, reads: list[IntoRead], cached_only: bool) -> list[int | None]:
@@ -339,21 +346,25 @@ class HostTier(StorageBackend):
             return [NOT_CACHED] * len(reads)
         return await self.inner.get_into_many(reads, cached_only=True)
 
-    def _fill(self, read: IntoRead, length: int | None) -> None:
-        """Keep a copy of a value the store's read landed whole in ``read``'s buffers."""
-        key, dests, _ = read
-        if length is None or length == NOT_CACHED or length != sum(d.nbytes for d in dests):
-            return  # a miss, or nothing (or only part) written
-        self._copy(key, dests)
+    async def _copies(self, items: Sequence[tuple[str, Value]]) -> list[tuple[str, bytes]]:
+        """Copies of the values that can fit the tier, made on the copy thread (a value larger than the
+        bound is not even copied: any older value under its key is dropped, it may differ)."""
+        fits: list[tuple[str, Value]] = []
+        for key, value in items:
+            if value_nbytes(value) <= self.lru.capacity:
+                fits.append((key, value))
+            else:
+                self.lru.discard([key])
+                self.stats.bypassed += 1
+        if not fits:
+            return []
+        job = asyncio.get_running_loop().run_in_executor(self._copier, _joined, [v for _, v in fits])
+        copied: list[bytes] = await _until_done(job)
+        return list(zip((k for k, _ in fits), copied, strict=True))
 
-    def _copy(self, key: str, value: Value) -> bytes | None:
-        """Hold a copy of ``value`` under ``key``; the copy, or ``None`` when it is not held."""
-        if value_nbytes(value) > self.lru.capacity:  # not even copied
-            self.lru.discard([key])
-            self.stats.bypassed += 1
-            return None
-        data = _value_bytes(value)
-        return data if self.lru.put(key, data) else None
+    def _keep(self, copies: list[tuple[str, bytes]]) -> None:
+        for key, data in copies:
+            self.lru.put(key, data)
 
     def _hit(self, nbytes: int) -> None:
         self.stats.hits += 1
@@ -386,7 +397,7 @@ def _copy_hits(reads: Sequence[IntoRead], hits: list[tuple[int, _Entry]]) -> lis
     return lengths
 
 
-async def _until_done(job: asyncio.Future[list[int]]) -> list[int]:
+async def _until_done(job: asyncio.Future[T]) -> T:
     """Await a copy; if cancelled, let the cancellation through only once the copy has ended: the caller
     must never reuse a buffer the copy thread still writes into, nor an entry be evicted under it."""
     try:

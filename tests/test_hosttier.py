@@ -112,7 +112,9 @@ async def test_a_value_is_not_evicted_under_a_read_copying_out_of_it() -> None:
     gate = _Gate()
     read = asyncio.ensure_future(tier.get_into("a", [memoryview(dest)], gate))
     assert await asyncio.to_thread(gate.entered.wait, 10)
-    await tier.put([("b", b"b" * 60)])  # needs a's room: a is pinned, so b is not kept
+    # b needs a's room; a is pinned, so b is not kept. (Straight into the index: a put's own copy would
+    # queue behind this read's on the tier's one copy thread.)
+    assert not tier.lru.put("b", b"b" * 60)
     assert tier.holds(["a", "b"]) == [True, False]
     assert tier.lru.used <= 100 and tier.stats.pinned == 1
     gate.release.set()
@@ -147,6 +149,17 @@ async def test_a_write_the_store_refuses_is_not_kept() -> None:
     with pytest.raises(BackendUnavailable):
         await tier.put([("a", b"x" * 20)])
     assert tier.holds(["a"]) == [False] and tier.lru.used == 0
+    await tier.close()
+
+
+async def test_a_write_over_the_bound_reaches_the_store_and_drops_the_older_value() -> None:
+    evicted: list[str] = []
+    tier = HostTier(await open_backend("memory://"), 100, on_evict=evicted.extend)
+    await tier.put([("a", b"1" * 50)])
+    await tier.put([("a", [b"2" * 60, b"2" * 60])])  # 120 bytes, in two chunks
+    assert tier.holds(["a"]) == [False] and evicted == ["a"] and tier.stats.bypassed == 1
+    assert await tier.get(["a"]) == [(b"2" * 120,)]  # from the store: a miss, and still not kept
+    assert tier.stats.misses == 1 and tier.holds(["a"]) == [False] and tier.lru.used == 0
     await tier.close()
 
 
