@@ -17,8 +17,9 @@ everything above it -- framing, checksums, timeouts, the loaders -- is unchanged
 The tier is bounded by ``capacity`` bytes and never grows past it: a write evicts the least recently used
 values first; a value larger than the bound, or one that cannot fit because every other value is being
 read (pinned), is not kept (it still goes to the store). A value is pinned while a read copies out of it:
-it is never evicted, nor its memory counted free, under that read. The tier belongs to the runtime loop
-thread; copies out of it run on its one copy thread (they hold the loop no longer than a hand-off).
+it is never evicted, nor its memory counted free, under that read. The tier's index belongs to the runtime
+loop thread; every copy into or out of it runs on the tier's one copy thread, with the GIL released for
+large buffers, so neither the loop nor vLLM's threads wait for it.
 """
 
 from __future__ import annotations
