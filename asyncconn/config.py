@@ -134,6 +134,12 @@ class Settings:
         "KV: bound on handle_preemptions' wait for the saves still reading a preempted request's blocks "
         "(the longest a step waits on a preemption)",
     )
+    host_cache_bytes: int = _opt(
+        parse_size,
+        0,
+        "host-memory tier per worker in front of the store, e.g. 8GiB: least recently used values evicted "
+        "first; a load it holds never reaches the store (0: off)",
+    )
     pinned_pool_bytes: int = _opt(_positive_size, 1 << 30, "pinned staging memory per worker, e.g. 1GiB")
     max_inflight_loads: int = _opt(
         parse_count,

@@ -34,6 +34,7 @@ from asyncconn.exceptions import (
     FrameMismatch,
     InvalidInput,
 )
+from asyncconn.hosttier import HostTier
 from asyncconn.reachability import Reachability
 from asyncconn.runtime import fork_generation, forked_error, keep_inherited
 from asyncconn.url import StoreURL, parse_url, redact
@@ -144,13 +145,19 @@ class TensorStore:
 
     @classmethod
     async def open(
-        cls, url: str | StoreURL, *, timeout: float = DEFAULT_TIMEOUT, connect_timeout: float | None = None
+        cls,
+        url: str | StoreURL,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        connect_timeout: float | None = None,
+        host_cache_bytes: int = 0,
     ) -> TensorStore:
         """Connect and return a store whose calls are bounded by ``timeout``.
 
         ``connect_timeout`` (default: ``timeout``) bounds only this first connection. Connectors open their
         store while vLLM starts, where a short per-call bound chosen for the serving path would fail the
-        engine's start on a momentarily busy host.
+        engine's start on a momentarily busy host. ``host_cache_bytes`` > 0 puts a host-memory tier of that
+        many bytes in front of the backend (:class:`~asyncconn.hosttier.HostTier`; :attr:`host_tier`).
         """
         parsed = url if isinstance(url, StoreURL) else parse_url(url)
         wait = timeout if connect_timeout is None else connect_timeout
@@ -158,7 +165,14 @@ class TensorStore:
             backend = await asyncio.wait_for(open_backend(parsed), wait)
         except TimeoutError:
             raise BackendTimeout(f"{redact(parsed.raw)}: could not connect within {wait:g}s") from None
+        if host_cache_bytes > 0:
+            backend = HostTier(backend, host_cache_bytes)
         return cls(backend, timeout=timeout, name=redact(parsed.raw))
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        """The host-memory tier in front of the store (its counters, ``on_evict``), if there is one."""
+        return self.backend if isinstance(self.backend, HostTier) else None
 
     async def put(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Encode and store tensors (zero-copy of the payload: header and view are written as parts)."""

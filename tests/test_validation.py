@@ -59,6 +59,7 @@ BAD: dict[str, list[Any]] = {
         "9" * 5000,
     ],
     "size": [True, False, None, 0, -1, 0.5, "0.5", NAN, INF, "lots", "9" * 400, "1e3", MAX_SIZE * 2, "-1MiB"],
+    "size_or_zero": [True, False, None, -1, 0.5, "0.5", NAN, INF, "lots", "1e3", MAX_SIZE * 2, "-1MiB"],
     "bool": [1, 0, 1.0, None, "maybe", "", 2],
     "url": [
         None,
@@ -80,6 +81,7 @@ GOOD: dict[str, list[tuple[Any, Any]]] = {
     "duration": [("250ms", 0.25), (2, 2.0), (0.5, 0.5), ("1min", 60.0)],
     "count": [(3, 3), ("3", 3), (3.0, 3)],
     "size": [("1MiB", 1 << 20), (4096, 4096), ("1.5KiB", 1536), (4096.0, 4096)],
+    "size_or_zero": [(0, 0), ("0", 0), ("1MiB", 1 << 20)],
     "bool": [(True, True), ("false", False), ("on", True)],
     "url": [
         ("memory://v", "memory://v"),
@@ -98,6 +100,7 @@ def _kind(field: dataclasses.Field[Any]) -> str:
         config_module._positive_duration: "duration",
         parse_count: "count",
         config_module._positive_size: "size",
+        parse_size: "size_or_zero",
         parse_bool: "bool",
         config_module._url: "url",
         config_module._optional_endpoint: "endpoint",

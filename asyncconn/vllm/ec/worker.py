@@ -106,7 +106,10 @@ class ECWorkerSide:
     def _open_store(self) -> TensorStore:
         settings = self.settings
         opening = TensorStore.open(
-            settings.backend_url, timeout=settings.store_timeout, connect_timeout=settings.connect_timeout
+            settings.backend_url,
+            timeout=settings.store_timeout,
+            connect_timeout=settings.connect_timeout,
+            host_cache_bytes=settings.host_cache_bytes,
         )
         return self.runtime.run(opening, settings.connect_timeout + 1.0)
 

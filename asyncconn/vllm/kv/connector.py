@@ -186,6 +186,7 @@ class AsyncConnKVConnector(
                     settings.backend_url,
                     timeout=settings.store_timeout,
                     connect_timeout=settings.connect_timeout,
+                    host_cache_bytes=settings.host_cache_bytes,
                 ),
                 timeout=settings.connect_timeout + 1.0,
             )

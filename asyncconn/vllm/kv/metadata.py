@@ -33,6 +33,7 @@ __all__ = [
     "CAUSES",
     "COUNTERS",
     "GAUGES",
+    "HOST_COUNTERS",
     "HISTOGRAMS",
     "AsyncConnKVMetadata",
     "AsyncConnKVStats",
@@ -99,6 +100,11 @@ class AsyncConnKVMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is
 #: save tracker's reasons, less ``not_cached`` (a load retried through staging, not a failure).
 CAUSES = tuple(f.value for f in Failure if f is not Failure.NOT_CACHED)
 
+#: The host tier's counters (``host_cache_bytes``): reads it served (never reaching the store), reads it
+#: passed to the store, bytes it served, values it evicted. Reported only when not zero (the tier is off
+#: by default, and vLLM logs the whole dict every interval).
+HOST_COUNTERS = ("host_hits", "host_misses", "host_bytes_hit", "host_evictions")
+
 #: Counters (summed). ``tokens_*`` count tokens, ``bytes_*`` bytes on this worker. ``saves`` are values the
 #: store confirmed written; ``saves_submitted`` those handed to the save tracker; failed ones are counted in
 #: ``save_failures`` only. ``store_outages``: times a process's store went from reachable to unreachable.
@@ -125,6 +131,7 @@ COUNTERS = (
     "bytes_saved",
     "store_outages",
     "events_dropped",
+    *HOST_COUNTERS,
 )
 #: Gauges, carried as changes (summed like counters): ``store_unreachable`` is the number of processes
 #: (scheduler, workers) whose store is unreachable right now.
@@ -185,7 +192,7 @@ class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
         out: dict[str, int | float] = {
             name: int(self.data.get(name, 0))
             for name in (*COUNTERS, *GAUGES)
-            if "failures_" not in name or self.data.get(name)
+            if not ("failures_" in name or name.startswith("host_")) or self.data.get(name)
         }
         for name in HISTOGRAMS:
             counts: list[int] = self.data.get(name) or []
@@ -204,6 +211,7 @@ class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
 def worker_totals(saver: Any, loader: Any, store: Any, tokens_per_value: int) -> Totals:
     """A KV worker's totals from its save tracker, loader and store (see :data:`COUNTERS`)."""
     reach = getattr(store, "reachability", None)
+    tier = getattr(store, "host_tier", None)
 
     def read() -> dict[str, int]:
         totals = {
@@ -218,6 +226,14 @@ def worker_totals(saver: Any, loader: Any, store: Any, tokens_per_value: int) ->
             if reason is not Failure.NOT_CACHED:
                 totals[f"load_failures_{reason.value}"] = n
         totals.update(store_totals(reach))
+        if tier is not None:
+            stats = tier.stats
+            totals.update(
+                host_hits=stats.hits,
+                host_misses=stats.misses,
+                host_bytes_hit=stats.bytes_hit,
+                host_evictions=stats.evictions,
+            )
         return totals
 
     def mark() -> object:
@@ -226,6 +242,7 @@ def worker_totals(saver: Any, loader: Any, store: Any, tokens_per_value: int) ->
             saver.failures.total(),
             loader.failures.total(),
             None if reach is None else (reach.outages, reach.reachable),
+            None if tier is None else (tier.stats.hits, tier.stats.misses, tier.stats.evictions),
         )
 
     return Totals(read, mark)

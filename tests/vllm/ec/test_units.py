@@ -554,9 +554,11 @@ def test_workers_and_lookups_open_the_store_with_connect_timeout(
     seen: list[tuple[float, float | None]] = []
     original = TensorStore.open.__func__  # type: ignore[attr-defined]
 
-    async def spy(cls: Any, url: str, *, timeout: float = 5.0, connect_timeout: float | None = None) -> Any:
+    async def spy(
+        cls: Any, url: str, *, timeout: float = 5.0, connect_timeout: float | None = None, **more: Any
+    ) -> Any:
         seen.append((timeout, connect_timeout))
-        return await original(cls, url, timeout=timeout, connect_timeout=connect_timeout)
+        return await original(cls, url, timeout=timeout, connect_timeout=connect_timeout, **more)
 
     monkeypatch.setattr(TensorStore, "open", classmethod(spy))
     worker = make_worker(runtime, url, store_timeout="200ms", connect_timeout="7s")

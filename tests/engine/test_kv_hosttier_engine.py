@@ -1,0 +1,47 @@
+"""The host-memory tier in vLLM's real engine: a request whose prefix left vLLM's own cache is loaded from
+the worker's tier, byte for byte, without reading the store.
+
+Proof that the store was not read: after the first run every stored value is overwritten with zeros (the
+files stay, so the scheduler's lookups still find them); a load that reached the store would fail its frame
+check and be counted as a failure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncconn_tools.engines import Probe, kv_config, make_llm
+from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate
+
+pytestmark = pytest.mark.vllm
+
+
+def test_a_prefix_evicted_from_vllm_is_loaded_from_the_host_tier(
+    text_model: Path, engines: list[Any], kv_reference: dict[str, Any], tmp_path: Path
+) -> None:
+    root = tmp_path / "store"
+    llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}", host_cache_bytes="64MiB"))
+    engines.append(llm)
+    probe = Probe(llm)
+    assert generate(llm, PROMPTS) == kv_reference["tokens"]
+    assert_idle(probe)
+    worker = probe.kv_worker_connector().worker_side
+    tier = worker.store.host_tier
+    assert tier is not None and tier.stats.entries > 0 and tier.stats.hits == 0
+    files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]  # not its lock
+    assert len(files) == tier.stats.entries  # every saved value is held
+    for path in files:
+        path.write_bytes(bytes(path.stat().st_size))
+    assert llm.reset_prefix_cache()  # vLLM's own cache forgets the prompts: they must be loaded
+
+    assert generate(llm, PROMPTS) == kv_reference["tokens"]
+    assert_idle(probe)
+    loader = worker.loader
+    assert loader.loaded > 0 and loader.loaded_in_place > 0 and not loader.failures
+    assert tier.stats.hits == loader.loaded and tier.stats.misses == 0
+    assert probe.metrics()["vllm:external_prefix_cache_hits"] > 0
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)

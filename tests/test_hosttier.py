@@ -1,0 +1,272 @@
+"""The host-memory tier: its LRU (bound, order, pins, bypass), and the tier in front of real stores.
+
+A hit is proved to not touch the store by taking the store away (files removed, redis-server killed) and
+reading equal bytes back; a miss is proved to go to the store by the same reads failing for other keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from asyncconn_backends.memory import MemoryBackend
+
+from asyncconn import codec
+from asyncconn.backend import NOT_CACHED, open_backend
+from asyncconn.config import Settings
+from asyncconn.exceptions import BackendError, BackendUnavailable
+from asyncconn.hosttier import HostLRU, HostTier
+from asyncconn.store import Fetch, Scattered, TensorStore
+from tests.servers import RedisServer
+
+# -- the LRU ----------------------------------------------------------------------------------------------
+
+
+def test_lru_evicts_least_recently_used_first_and_reports_it() -> None:
+    evicted: list[list[str]] = []
+    lru = HostLRU(100, on_evict=lambda keys: evicted.append(list(keys)))
+    assert lru.put("a", b"a" * 40) and lru.put("b", b"b" * 40)
+    assert lru.get("a") == b"a" * 40  # a is now the most recently used
+    assert lru.put("c", b"c" * 40)
+    assert "b" not in lru and "a" in lru and "c" in lru
+    assert evicted == [["b"]]
+    assert lru.used == 80 and lru.stats.evictions == 1 and lru.stats.entries == 2
+    assert lru.put("d", b"d" * 100)  # evicts everything else, oldest first
+    assert evicted[1:] == [["a", "c"]] and lru.used == 100
+
+
+def test_lru_bypasses_a_value_over_the_bound_without_evicting() -> None:
+    lru = HostLRU(100)
+    lru.put("a", b"a" * 60)
+    assert not lru.put("big", b"x" * 101)
+    assert "big" not in lru and "a" in lru and lru.used == 60
+    assert lru.stats.bypassed == 1 and lru.stats.evictions == 0
+
+
+def test_lru_never_evicts_a_pinned_value_and_bypasses_when_everything_is_pinned() -> None:
+    lru = HostLRU(100)
+    lru.put("a", b"a" * 50)
+    lru.put("b", b"b" * 50)
+    entry = lru.pin("a")
+    assert entry is not None
+    assert lru.put("c", b"c" * 50)  # b goes, not the older but pinned a
+    assert "a" in lru and "b" not in lru
+    pinned_c = lru.pin("c")
+    assert pinned_c is not None
+    assert not lru.put("d", b"d" * 10)  # all held bytes are pinned: d does not fit, nothing evicted
+    assert "a" in lru and "c" in lru and lru.used == 100 and lru.stats.bypassed == 1
+    lru.unpin(entry)
+    lru.unpin(pinned_c)
+    assert lru.stats.pinned == 0
+    assert lru.put("d", b"d" * 10)  # a, the least recently used, goes now
+    assert "a" not in lru and lru.used == 60
+
+
+def test_lru_counts_a_replaced_or_deleted_value_until_its_reader_ends() -> None:
+    lru = HostLRU(100)
+    lru.put("a", b"a" * 60)
+    entry = lru.pin("a")
+    assert entry is not None
+    assert lru.put("a", b"A" * 30)  # replaced under a reader: the old bytes are still in use
+    assert lru.used == 90 and entry.data == b"a" * 60
+    # Even with the new 30 bytes evicted, 60 + 50 > 100: the old bytes cannot go before their reader.
+    assert not lru.put("b", b"b" * 50)
+    assert "a" in lru
+    assert lru.discard(["a"]) == 1
+    assert lru.used == 60
+    lru.unpin(entry)
+    assert lru.used == 0 and lru.stats.held_bytes == 0 and lru.stats.entries == 0 and lru.stats.pinned == 0
+
+
+def test_setting_parses_sizes_and_defaults_to_off() -> None:
+    assert Settings().host_cache_bytes == 0
+    assert Settings.from_extra_config({"host_cache_bytes": "2MiB"}).host_cache_bytes == 2 << 20
+
+
+# -- the tier over a backend ------------------------------------------------------------------------------
+
+
+class _Gate:
+    """A sink that blocks the copy thread until released: a read held in the middle of its copy."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.fed = 0
+
+    def __call__(self, piece: memoryview) -> None:
+        self.entered.set()
+        assert self.release.wait(10)
+        self.fed += piece.nbytes
+
+
+async def test_a_value_is_not_evicted_under_a_read_copying_out_of_it() -> None:
+    tier = HostTier(await open_backend("memory://"), 100)
+    value = bytes(range(60))
+    await tier.put([("a", value)])
+    dest = bytearray(60)
+    gate = _Gate()
+    read = asyncio.ensure_future(tier.get_into("a", [memoryview(dest)], gate))
+    assert await asyncio.to_thread(gate.entered.wait, 10)
+    # b needs a's room; a is pinned, so b is not kept. (Straight into the index: a put's own copy would
+    # queue behind this read's on the tier's one copy thread.)
+    assert not tier.lru.put("b", b"b" * 60)
+    assert tier.holds(["a", "b"]) == [True, False]
+    assert tier.lru.used <= 100 and tier.stats.pinned == 1
+    gate.release.set()
+    assert await read == 60
+    assert bytes(dest) == value and gate.fed == 60
+    assert tier.stats.pinned == 0 and tier.stats.hits == 1
+    await tier.put([("b", b"b" * 60)])  # a is free to go now
+    assert tier.holds(["a", "b"]) == [False, True] and tier.stats.evictions == 1
+    await tier.close()
+
+
+async def test_a_cancelled_read_ends_its_copy_before_the_cancellation_and_leaves_no_pin() -> None:
+    tier = HostTier(await open_backend("memory://"), 1 << 20)
+    await tier.put([("a", b"x" * 1000)])
+    dest = bytearray(1000)
+    gate = _Gate()
+    read = asyncio.ensure_future(tier.get_into_many([("a", [memoryview(dest)], gate)]))
+    assert await asyncio.to_thread(gate.entered.wait, 10)
+    read.cancel()
+    await asyncio.sleep(0)
+    assert not read.done()  # the copy thread still writes the buffer: the cancellation waits for it
+    gate.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    assert gate.fed == 1000 and bytes(dest) == b"x" * 1000
+    assert tier.stats.pinned == 0 and tier.holds(["a"]) == [True]
+    await tier.close()
+
+
+async def test_a_write_the_store_refuses_is_not_kept() -> None:
+    tier = HostTier(MemoryBackend(max_bytes=10), 1000)
+    with pytest.raises(BackendUnavailable):
+        await tier.put([("a", b"x" * 20)])
+    assert tier.holds(["a"]) == [False] and tier.lru.used == 0
+    await tier.close()
+
+
+async def test_a_write_over_the_bound_reaches_the_store_and_drops_the_older_value() -> None:
+    evicted: list[str] = []
+    tier = HostTier(await open_backend("memory://"), 100, on_evict=evicted.extend)
+    await tier.put([("a", b"1" * 50)])
+    await tier.put([("a", [b"2" * 60, b"2" * 60])])  # 120 bytes, in two chunks
+    assert tier.holds(["a"]) == [False] and evicted == ["a"] and tier.stats.bypassed == 1
+    assert await tier.get(["a"]) == [(b"2" * 120,)]  # from the store: a miss, and still not kept
+    assert tier.stats.misses == 1 and tier.holds(["a"]) == [False] and tier.lru.used == 0
+    await tier.close()
+
+
+async def test_a_value_of_the_wrong_length_is_not_written_and_a_bad_frame_is_never_a_hit(
+    tmp_path: Path,
+) -> None:
+    store = await TensorStore.open(f"file://{tmp_path}", host_cache_bytes=1 << 20)
+    tier = store.host_tier
+    assert tier is not None
+    good = torch.arange(64, dtype=torch.float32)
+    await store.put([("k", good)])
+    short = bytearray(b"\xee" * 8)
+    assert await tier.get_into("k", [memoryview(short)]) == len(codec.encode(good, key="k"))
+    assert short == b"\xee" * 8  # a length mismatch writes nothing
+    # A value of the right length whose frame is bad (from the store, then kept by the tier): corrupt
+    # every time, never a hit.
+    frame = bytearray(codec.encode(good, key="k"))
+    frame[-1] ^= 0xFF
+    await tier.inner.put([("bad", bytes(frame))])
+    for _ in range(2):
+        assert await store.read_into("bad", torch.empty(64)) is Fetch.CORRUPT
+    assert tier.holds(["bad"]) == [True] and store.stats.corrupt == 2
+    assert await store.read_into("bad", torch.empty(32)) is Fetch.CORRUPT  # short destination
+    await store.close()
+
+
+async def test_file_store_hits_are_served_from_the_tier_byte_equal(tmp_path: Path) -> None:
+    store = await TensorStore.open(f"file://{tmp_path}/store", host_cache_bytes=1 << 20)
+    tier = store.host_tier
+    assert tier is not None
+    values = {f"k{i}": torch.randn(256) for i in range(4)}
+    await store.put(values.items())
+    assert await store.exists(list(values)) == [True] * 4
+    for path in (tmp_path / "store").rglob("*"):  # the store is emptied: only the tier can answer
+        if path.is_file():
+            path.unlink()
+    assert await store.exists(list(values)) == [False] * 4  # exists asks the store, not the tier
+    out = torch.empty(256)
+    assert await store.read_into("k0", out) is Fetch.HIT
+    assert torch.equal(out, values["k0"])
+    # The CPU engine's in-place path: cached_only reads scattered straight into pieces (the KV cache).
+    assert store.cached_reads
+    pieces = [torch.empty(128), torch.empty(128)]
+    views = tuple(codec.tensor_bytes(p) for p in pieces)
+    dest = Scattered(torch.float32, (256,), views)
+    got = await store.read_into_many([("k1", dest), ("gone", torch.empty(256))], cached_only=True)
+    assert got == [Fetch.HIT, Fetch.MISS]
+    assert torch.equal(torch.cat(pieces), values["k1"])
+    decoded = await store.get(["k2", "k3"])
+    assert all(torch.equal(t, values[k]) for t, k in zip(decoded, ["k2", "k3"], strict=True) if t is not None)
+    assert tier.stats.hits == 4 and tier.stats.misses == 1
+    assert tier.stats.bytes_hit == 4 * len(codec.encode(values["k0"], key="k0"))
+    await store.delete(["k0"])
+    assert tier.holds(["k0", "k1"]) == [False, True]
+    await store.close()
+
+
+async def test_a_miss_is_read_from_the_store_and_kept(tmp_path: Path) -> None:
+    writer = await TensorStore.open(f"file://{tmp_path}")
+    reader = await TensorStore.open(f"file://{tmp_path}", host_cache_bytes=1 << 20)
+    tier = reader.host_tier
+    assert tier is not None
+    value = torch.randn(100)
+    await writer.put([("k", value)])
+    out = torch.empty(100)
+    assert await reader.read_into("k", out) is Fetch.HIT and tier.stats.misses == 1
+    assert tier.holds(["k"]) == [True]
+    await writer.delete(["k"])
+    out.zero_()
+    assert await reader.read_into("k", out) is Fetch.HIT and tier.stats.hits == 1
+    assert torch.equal(out, value)
+    await writer.close()
+    await reader.close()
+
+
+class _NoCachedReads(MemoryBackend):
+    """A store that cannot serve ``cached_only`` reads (as redis cannot)."""
+
+    async def get_into_many(
+        self, reads: Sequence[tuple[str, Sequence[memoryview], object]], *, cached_only: bool = False
+    ) -> list[int | None]:
+        assert not cached_only, "a cached_only read must not reach a store that cannot serve it"
+        return await super().get_into_many(reads)  # type: ignore[arg-type]
+
+
+async def test_cached_only_misses_are_not_cached_over_a_store_without_cached_reads() -> None:
+    tier = HostTier(_NoCachedReads(), 1 << 20)
+    await tier.inner.put([("k", b"v" * 10)])
+    dest = bytearray(10)
+    assert await tier.get_into_many([("k", [memoryview(dest)], None)], cached_only=True) == [NOT_CACHED]
+    assert tier.stats.misses == 0  # asked again without cached_only, and counted then
+    assert await tier.get_into_many([("k", [memoryview(dest)], None)]) == [10]
+    assert tier.stats.misses == 1 and tier.holds(["k"]) == [True]
+    assert await tier.get_into_many([("k", [memoryview(bytearray(10))], None)], cached_only=True) == [10]
+    await tier.close()
+
+
+async def test_redis_hits_are_served_with_the_server_gone(fresh_redis: RedisServer) -> None:
+    store = await TensorStore.open(f"{fresh_redis.url}?timeout=2", timeout=2.0, host_cache_bytes=1 << 20)
+    tier = store.host_tier
+    assert tier is not None
+    value = torch.randn(1000)
+    await store.put([("kv", value)])
+    fresh_redis.kill()
+    out = torch.empty(1000)
+    assert await store.read_into("kv", out) is Fetch.HIT
+    assert torch.equal(out, value) and tier.stats.hits == 1
+    with pytest.raises(BackendError):  # a miss does go to the (gone) store
+        await store.read_into("other", torch.empty(1000))
+    await store.close()

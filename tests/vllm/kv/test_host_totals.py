@@ -1,0 +1,40 @@
+"""The host tier's counters reach the KV worker's stats (and so ``asyncconn:kv_host_*`` on /metrics)."""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncconn.store import TensorStore
+from asyncconn.vllm.kv.metadata import HOST_COUNTERS, AsyncConnKVStats, worker_totals
+
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
+
+async def test_worker_totals_report_the_tiers_counters_and_the_log_omits_them_when_zero() -> None:
+    saver = SimpleNamespace(saved=0, saved_bytes=0, failures=collections.Counter())
+    loader = SimpleNamespace(failures=collections.Counter())
+    plain = await TensorStore.open("memory://")
+    assert plain.host_tier is None
+    assert not set(AsyncConnKVStats().reduce()) & set(HOST_COUNTERS)  # tier off: not in vLLM's log line
+    assert worker_totals(saver, loader, plain, 32).take() == {}
+    store = await TensorStore.open("memory://", host_cache_bytes=1 << 20)
+    totals = worker_totals(saver, loader, store, 32)
+    value = torch.randn(16)
+    await store.put([("a", value)])
+    out = torch.empty(16)
+    assert await store.get_into("a", out) and await store.get_into("a", out)
+    assert not await store.get_into("b", out)
+    taken = totals.take()
+    size = len(store.host_tier.lru.get("a") or b"")  # type: ignore[union-attr]
+    assert taken == {"host_hits": 2, "host_misses": 1, "host_bytes_hit": 2 * size}
+    assert totals.take() == {}
+    stats = AsyncConnKVStats()
+    for name, change in taken.items():
+        stats.add(name, change)
+    assert stats.reduce()["host_hits"] == 2
+    await plain.close()
+    await store.close()
