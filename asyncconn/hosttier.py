@@ -37,6 +37,7 @@ from asyncconn.backend import (
     NOT_CACHED,
     Buffer,
     IntoRead,
+    RemovedHook,
     Sink,
     StorageBackend,
     Value,
@@ -245,6 +246,15 @@ class HostTier(StorageBackend):
     @classmethod
     async def from_url(cls, url: StoreURL) -> HostTier:
         raise TypeError("a HostTier wraps an open backend: HostTier(backend, capacity)")
+
+    @property  # type: ignore[override]
+    def on_removed(self) -> RemovedHook | None:
+        """The store's removals hook: the inner store's (what leaves the tier alone stays in the store)."""
+        return self.inner.on_removed
+
+    @on_removed.setter
+    def on_removed(self, hook: RemovedHook | None) -> None:
+        self.inner.on_removed = hook
 
     @property
     def stats(self) -> TierStats:

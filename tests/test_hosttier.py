@@ -7,12 +7,14 @@ reading equal bytes back; a miss is proved to go to the store by the same reads 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from asyncconn_backends.file import FileBackend
 from asyncconn_backends.memory import MemoryBackend
 
 from asyncconn import codec
@@ -270,3 +272,23 @@ async def test_redis_hits_are_served_with_the_server_gone(fresh_redis: RedisServ
     with pytest.raises(BackendError):  # a miss does go to the (gone) store
         await store.read_into("other", torch.empty(1000))
     await store.close()
+
+
+async def test_the_store_removals_hook_set_on_the_tier_is_the_stores(tmp_path: Path) -> None:
+    """The KV worker hooks ``on_removed`` on the backend it holds: through the tier it must reach the store
+    (a value the tier drops is still in the store, so only the store's removals are BlockRemoved)."""
+    inner = FileBackend(tmp_path / "s", max_bytes=4 << 10)
+    tier = HostTier(inner, 1 << 20)
+    told: list[str] = []
+    tier.on_removed = told.extend
+    try:
+        assert inner.on_removed == told.extend
+        await tier.put([("old", b"x" * 3000)])
+        await tier.put([("new", b"y" * 3000)])
+        os.utime(inner._path("old"), (1, 1))  # the older use: evicted first
+        await inner.sweep()
+        assert told == ["old"]
+        tier.on_removed = None
+        assert inner.on_removed is None
+    finally:
+        await tier.close()
