@@ -150,7 +150,7 @@ def _rank_connector(worker: Any) -> dict[str, int]:
         "saved": side.saver.saved,
         "loaded": side.loader.loaded,
         "load_failures": int(bool(side.loader.failures)),
-        "held": sum(side.counters().values()),
+        "held": sum(side.held().values()),
     }
 
 
