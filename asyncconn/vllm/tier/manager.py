@@ -22,7 +22,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from typing_extensions import override
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -125,7 +124,6 @@ class AsyncConnTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not 
             ) from None
 
     # -- lookups ---------------------------------------------------------------------------------------
-    @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         found = self.lookups.lookup(key, req_context.req_id)
         if found is None:
@@ -135,24 +133,19 @@ class AsyncConnTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not 
     def _ask(self, keys: list[OffloadKey]) -> concurrent.futures.Future[list[bool]]:
         return self._runtime.submit(self.io.exists(self._names.names(keys)))
 
-    @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
-    @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.lookups.release(req_context.req_id)
 
-    @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.lookups.flush()
 
     # -- transfers -------------------------------------------------------------------------------------
-    @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, is_load=False)
 
-    @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, is_load=True)
 
@@ -171,7 +164,6 @@ class AsyncConnTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not 
             future = self._runtime.submit(self.io.read(chunks) if is_load else self.io.write(chunks))
         self._running[job.job_id] = _Job(keys, is_load, future)
 
-    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results: list[JobResult] = []
         for job_id, job in list(self._running.items()):
@@ -200,11 +192,9 @@ class AsyncConnTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not 
             transfer_bytes=moved * self.block_size_bytes,
         )
 
-    @override
     def has_pending_work(self) -> bool:
         return bool(self._running) or self.lookups.busy()
 
-    @override
     def drain_jobs(self) -> None:
         """Wait for every submitted job; chunks that have not started fail at once instead of starting."""
         self.io.draining = True
@@ -221,7 +211,6 @@ class AsyncConnTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not 
             "tracked": self.lookups.tracked(),
         }
 
-    @override
     def shutdown(self) -> None:
         """Finish the jobs (waiting chunks fail at once), close the store, let go of the primary memory.
 
