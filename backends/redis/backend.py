@@ -441,6 +441,10 @@ class RedisBackend(StorageBackend):
     async def _land(self, key: str, targets: list[memoryview], size: int) -> int | _Landing | None:
         """One attempt of :meth:`get_into`: the value's length (landed when it is ``size``), or a miss."""
         name = main_key(self.prefix, key)
+        if size <= self.chunk_size:
+            landed = await self._land_inline(name, targets, size)
+            if landed is not None:
+                return landed
         (head,) = await self._heads([name])
         if head is None:
             return None
@@ -468,6 +472,34 @@ class RedisBackend(StorageBackend):
         if any(reply is not slot for reply, slot in zip(replies, slots, strict=True)):
             return _Landing.MISMATCH
         return size
+
+    async def _land_inline(self, name: str, targets: list[memoryview], size: int) -> int | None:
+        """A value the writer stored inline (``size`` <= ``chunk_size``), received straight into ``targets``
+        with one ``GET``: its length, or None when the key holds no string (absent, or a chunked value
+        written with a smaller ``chunk_size``: the manifest path decides which).
+
+        Why: going through :meth:`_heads` reads the value with redis-py (six copies, a fresh buffer per
+        read) and then copies it into ``targets``; a KV block value is usually below ``chunk_size``.
+        """
+        assert self._reader is not None
+        (got,) = await self._reader.mget_into([name], [tuple(targets)], max(size, self.chunk_size))
+        if got is None:
+            return None
+        if not isinstance(got, tuple):  # not received in place (a cluster redirection read it via redis-py)
+            if len(got) != size:
+                return len(got)  # a string of another length: not this frame (the store reports it)
+            fill(targets, got)
+        await self._refresh([name])
+        return size
+
+    async def _refresh(self, names: list[str]) -> None:
+        """Re-arm the ttl of values read on the fast path (``refresh_on_hit``), in one round trip."""
+        if not self.refresh_on_hit or not names:
+            return
+        async with self._client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.pexpire(name, self._px)  # type: ignore[arg-type]  # set whenever refresh_on_hit is
+            await pipe.execute(raise_on_error=False)
 
     async def _heads(self, names: list[str]) -> list[bytes | Manifest | None]:
         """What each key holds, in one round trip: an inline value, a chunked value's manifest, or nothing.

@@ -44,7 +44,7 @@ from asyncconn.url import Param, StoreURL, redact
 
 from .backend import DEFAULT_CHUNK_SIZE, DEFAULT_PORT, RedisBackend, _gather
 from .cluster_internals import SlotTransaction, pool_counts
-from .reader import ChunkReader, Reply, ReplyError
+from .reader import ChunkReader, Reply, ReplyError, Slot
 
 __all__ = ["RedisClusterBackend"]
 
@@ -108,7 +108,7 @@ class _NodeReaders(ChunkReader):
         return reader
 
     async def _request(
-        self, command: tuple[bytes, ...], names: Sequence[str], max_bulk: int, slots: Sequence[memoryview]
+        self, command: tuple[bytes, ...], names: Sequence[str], max_bulk: int, slots: Sequence[Slot]
     ) -> list[Reply]:
         if self._closed:
             raise BackendUnavailable("chunk reader is closed")
@@ -137,7 +137,7 @@ class _NodeReaders(ChunkReader):
         return replies
 
     async def _hash_request(
-        self, command: tuple[bytes, ...], fields: Sequence[str], max_bulk: int, slots: Sequence[memoryview]
+        self, command: tuple[bytes, ...], fields: Sequence[str], max_bulk: int, slots: Sequence[Slot]
     ) -> list[Reply]:
         key = command[1].decode()
         node = self._cluster.get_node_from_key(key)

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from asyncconn.exceptions import BackendError, BackendUnavailable
 
-__all__ = ["SKIPPED", "ChunkReader", "ReplyError", "Skipped"]
+__all__ = ["SKIPPED", "ChunkReader", "ReplyError", "Skipped", "Slot"]
 
 _LINE_BUFFER = 64 * 1024
 
@@ -44,7 +44,9 @@ class Skipped:
 
 
 SKIPPED = Skipped()
-Reply = bytearray | bytes | memoryview | int | Skipped | None
+Reply = bytearray | bytes | memoryview | tuple[memoryview, ...] | int | Skipped | None
+#: Where one bulk reply may land: one buffer, or several filled in order (a frame's header, then its payload).
+Slot = memoryview | tuple[memoryview, ...]
 #: What one request sends: one buffer, or several written out in order without being joined.
 Payload = bytes | Sequence[bytes | memoryview]
 
@@ -66,6 +68,7 @@ class _RespProtocol(asyncio.BufferedProtocol):
         self._fill = 0
         self._dest: memoryview | None = None
         self._dest_fill = 0
+        self._dest_rest: list[memoryview] = []  # a scattered slot's views still to fill, in order
         self._skip = 0  # the CRLF after a bulk string still to come
         self._discard = 0  # bytes of an oversized bulk string still to read past
         self._skip_oversized = False
@@ -74,7 +77,7 @@ class _RespProtocol(asyncio.BufferedProtocol):
         self._tops_left = 0
         self._array_left = 0
         self._max_bulk = 0
-        self._slots: Sequence[memoryview] = ()  # indexed by reply position
+        self._slots: Sequence[Slot] = ()  # indexed by reply position
         self.transport: asyncio.Transport | None = None
         self.lost = False
 
@@ -84,18 +87,19 @@ class _RespProtocol(asyncio.BufferedProtocol):
         payload: Payload,
         replies: int,
         max_bulk: int,
-        slots: Sequence[memoryview] = (),
+        slots: Sequence[Slot] = (),
         *,
         skip_oversized: bool = False,
     ) -> asyncio.Future[list[Reply]]:
         """Send ``payload`` and return a future for ``replies`` top-level replies (arrays flattened).
 
-        With ``slots``, the n-th reply (arrays flattened), when it is a bulk string of exactly
-        ``slots[n].nbytes``, is received into that caller memory and appears in the replies as the slot
-        itself; one of another length gets its own ``bytearray`` as usual (the caller decides what a
-        mismatch means). A bulk string over ``max_bulk`` is a protocol error, or with ``skip_oversized``
-        is read past and appears as :data:`SKIPPED`. A payload given as several buffers is handed to the
-        transport as they are (uvloop sends them with one ``writev``; nothing is joined).
+        With ``slots``, the n-th reply (arrays flattened), when it is a bulk string of exactly the slot's
+        size, is received into that caller memory (a tuple of views: filled one after another) and appears
+        in the replies as the slot itself; one of another length gets its own ``bytearray`` as usual (the
+        caller decides what a mismatch means). A bulk string over ``max_bulk`` is a protocol error, or
+        with ``skip_oversized`` is read past and appears as :data:`SKIPPED`. A payload given as several
+        buffers is handed to the transport as they are (uvloop sends them with one ``writev``; nothing is
+        joined).
         """
         assert self.transport is not None and self._waiter is None
         waiter: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
@@ -115,6 +119,7 @@ class _RespProtocol(asyncio.BufferedProtocol):
         self._waiter = None
         self._slots = ()
         self._dest = None
+        self._dest_rest = []
 
     # -- transport callbacks -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -143,7 +148,10 @@ class _RespProtocol(asyncio.BufferedProtocol):
         if self._dest is not None:
             self._dest_fill += nbytes
             if self._dest_fill == len(self._dest):
-                self._dest, self._skip = None, 2
+                if self._dest_rest:
+                    self._dest, self._dest_fill = self._dest_rest.pop(0), 0
+                else:
+                    self._dest, self._skip = None, 2
             return
         self._fill += nbytes
         try:
@@ -199,17 +207,24 @@ class _RespProtocol(asyncio.BufferedProtocol):
                 if length > self._max_bulk:
                     raise _ProtocolError(f"bulk reply of {length} bytes, over the {self._max_bulk} expected")
                 index = len(self._replies)
-                chunk: bytearray | memoryview
-                if index < len(self._slots) and self._slots[index].nbytes == length:
-                    chunk = self._slots[index]
+                slot = self._slots[index] if index < len(self._slots) else None
+                if slot is not None and _slot_size(slot) == length:
+                    reply: Reply = slot
+                    views = [v for v in slot if v.nbytes] if isinstance(slot, tuple) else [slot]
                 else:
                     chunk = bytearray(length)
-                have = min(length, self._fill - pos)
-                chunk[:have] = view[pos : pos + have]
-                pos += have
-                self._replies.append(chunk)
-                if have < length:
-                    self._dest, self._dest_fill = memoryview(chunk), have
+                    reply, views = chunk, [memoryview(chunk)]
+                self._replies.append(reply)
+                while views:  # what has arrived already goes in now; the rest is received in place
+                    dest = views[0]
+                    have = min(dest.nbytes, self._fill - pos)
+                    dest[:have] = view[pos : pos + have]
+                    pos += have
+                    if have < dest.nbytes:
+                        break
+                    views.pop(0)
+                if views:
+                    self._dest, self._dest_fill, self._dest_rest = views[0], have, views[1:]
                     break
                 self._skip = 2
             elif kind == 0x2B:  # '+'
@@ -253,6 +268,10 @@ class _RespProtocol(asyncio.BufferedProtocol):
         self.lost = True
         if self.transport is not None:
             self.transport.abort()
+
+
+def _slot_size(slot: Slot) -> int:
+    return sum(v.nbytes for v in slot) if isinstance(slot, tuple) else slot.nbytes
 
 
 def _command(*args: bytes) -> bytes:
@@ -326,8 +345,8 @@ class ChunkReader:
         return [r if isinstance(r, (memoryview, bytearray)) else None for r in replies]
 
     async def mget_into(
-        self, names: Sequence[str], slots: Sequence[memoryview], max_bulk: int
-    ) -> list[memoryview | bytearray | None]:
+        self, names: Sequence[str], slots: Sequence[Slot], max_bulk: int
+    ) -> list[Slot | bytearray | None]:
         """``MGET names``, each value received straight into its slot (same index) when it fits exactly.
 
         Why: allocating a fresh buffer per chunk and copying it into the destination afterwards cost more
@@ -341,10 +360,10 @@ class ChunkReader:
         if len(slots) != len(names):
             raise ValueError("mget_into needs one slot per name")
         replies = await self._request((b"MGET",), names, max_bulk, slots)
-        return [r if isinstance(r, (memoryview, bytearray)) else None for r in replies]
+        return [r if isinstance(r, (memoryview, tuple, bytearray)) else None for r in replies]
 
     async def _request(
-        self, command: tuple[bytes, ...], names: Sequence[str], max_bulk: int, slots: Sequence[memoryview]
+        self, command: tuple[bytes, ...], names: Sequence[str], max_bulk: int, slots: Sequence[Slot]
     ) -> list[Reply]:
         """``command`` (``MGET``, or ``HMGET`` and its key) followed by ``names``, whose values are read."""
         payload = _command(*command, *(n.encode() for n in names))
@@ -369,7 +388,7 @@ class ChunkReader:
         payload: Payload,
         replies: int,
         max_bulk: int,
-        slots: Sequence[memoryview],
+        slots: Sequence[Slot],
         *,
         skip_oversized: bool,
     ) -> list[Reply]:
@@ -408,7 +427,7 @@ class ChunkReader:
         payload: Payload,
         replies: int,
         max_bulk: int,
-        slots: Sequence[memoryview],
+        slots: Sequence[Slot],
         skip_oversized: bool,
     ) -> list[Reply]:
         ok = False

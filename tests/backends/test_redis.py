@@ -493,3 +493,96 @@ async def test_chunked_write_over_a_large_foreign_value(
         assert got is not None and b"".join(got) == value
     finally:
         await backend.close()
+
+
+# -- the fast reader: replies received in place ------------------------------------------------------
+class _Transport:
+    def write(self, data: bytes) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def _feed(proto: object, data: bytes, step: int) -> None:
+    """Hand ``data`` to a buffered protocol ``step`` bytes at a time, as the event loop would."""
+    pos = 0
+    while pos < len(data):
+        buf = proto.get_buffer(step)  # type: ignore[attr-defined]
+        n = min(step, len(buf), len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        proto.buffer_updated(n)  # type: ignore[attr-defined]
+        pos += n
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
+async def test_a_bulk_reply_lands_across_a_scattered_slot(step: int) -> None:
+    """One reply fills several views in order (a frame's header, an empty view, its payload), however the
+    bytes arrive; a reply of another length gets its own buffer and leaves the slot untouched."""
+    from asyncconn_backends.redis.reader import _RespProtocol
+
+    header, payload = os.urandom(40), os.urandom(100_000)
+    other = os.urandom(77)
+    dests = (memoryview(bytearray(40)), memoryview(bytearray(0)), memoryview(bytearray(100_000)))
+    untouched = (memoryview(bytearray(40)), memoryview(bytearray(100_037)))
+    proto = _RespProtocol()
+    proto.connection_made(_Transport())  # type: ignore[arg-type]
+    fut = proto.request(b"MGET a b c\r\n", 1, 1 << 20, [dests, untouched])
+    value = header + payload
+    reply = b"*3\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$-1\r\n" % (len(value), value, len(other), other)
+    _feed(proto, reply, step)
+    got = await fut
+    assert got[0] is dests
+    assert bytes(dests[0]) == header and bytes(dests[2]) == payload
+    assert isinstance(got[1], bytearray) and bytes(got[1]) == other
+    assert not any(bytes(v).strip(b"\0") for v in untouched)
+    assert got[2] is None
+
+
+async def test_an_inline_value_is_read_in_one_get_straight_into_the_tensor(redis_server: RedisServer) -> None:
+    """A value stored inline (below ``chunk_size``) lands in the destination without the manifest probe
+    (``_heads``: redis-py and a copy); an absent key and a chunked one still take it."""
+    backend = await _open(_url(redis_server, "chunk_size=256KiB&prefix=inline-fast:"))
+    store = TensorStore(backend)
+    probes = 0
+    real_heads = backend._heads
+
+    async def counting_heads(names: list[str]) -> list[object]:
+        nonlocal probes
+        probes += 1
+        return await real_heads(names)  # type: ignore[return-value]
+
+    backend._heads = counting_heads  # type: ignore[method-assign,assignment]
+    try:
+        values = {f"v{n}": torch.randn(n) for n in (1, 1000, 16_000, 65_000)}  # up to ~254 KiB: inline
+        await store.put(list(values.items()))
+        for key, value in values.items():
+            out = torch.full_like(value, float("nan"))
+            assert await store.read_into(key, out) is Fetch.HIT and torch.equal(out, value)
+        assert probes == 0
+        assert await store.read_into("absent", torch.empty(10)) is Fetch.MISS
+        assert probes == 1
+        big = torch.randn(100_000)  # chunked
+        await store.put([("big", big)])
+        out = torch.empty_like(big)
+        assert await store.read_into("big", out) is Fetch.HIT and torch.equal(out, big)
+        assert probes == 2 and backend.held()["in_use"] == 0 and store.stats.corrupt == 0
+    finally:
+        await store.delete([*values, "big"])
+        await store.close()
+
+
+async def test_an_inline_value_cut_smaller_by_its_writer_still_reads(redis_server: RedisServer) -> None:
+    """A reader whose ``chunk_size`` would store the value inline finds a chunked one (another writer's
+    setting): the fast GET sees no string, the manifest path reads it."""
+    writer = TensorStore(await _open(_url(redis_server, "chunk_size=8KiB&prefix=inline-cut:")))
+    reader = TensorStore(await _open(_url(redis_server, "chunk_size=1MiB&prefix=inline-cut:")))
+    try:
+        value = torch.randn(20_000)
+        await writer.put([("k", value)])
+        out = torch.empty_like(value)
+        assert await reader.read_into("k", out) is Fetch.HIT and torch.equal(out, value)
+    finally:
+        await writer.delete(["k"])
+        await writer.close()
+        await reader.close()

@@ -17,7 +17,7 @@ from asyncconn.cli import argtypes
 
 __all__ = ["add_arguments", "run"]
 
-_WHAT = ("ttft", "decode", "ec", "stall", "hybrid")
+_WHAT = ("ttft", "decode", "ec", "stall", "hybrid", "tiers", "tier-decode")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,10 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokens",
         type=argtypes.count,
         default=4096,
-        help="ttft, stall, hybrid: stored prompt length (default 4096)",
+        help="ttft, stall, hybrid, tiers: stored prompt length (default 4096)",
     )
     parser.add_argument(
-        "--prompts", type=argtypes.count, default=3, help="ttft, stall: prompts timed per config and engine"
+        "--prompts",
+        type=argtypes.count,
+        default=3,
+        help="ttft, stall, tiers: prompts timed per config and engine",
     )
     parser.add_argument(
         "--decoders", type=argtypes.count, default=4, help="stall: requests decoding while a prompt loads"
@@ -46,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decode-batches", type=argtypes.count, default=5, help="decode: timed batches per engine (median)"
+    )
+    parser.add_argument(
+        "--host-cache-bytes",
+        type=argtypes.positive_size,
+        default=512 << 20,
+        help="tiers, tier-decode: the host tier's bound (default 512MiB)",
     )
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
 
@@ -85,6 +94,21 @@ def run(args: argparse.Namespace) -> int:
             from asyncconn_tools.bench.engine_hybrid import hybrid_bench
 
             summaries.append(hybrid_bench(tokens=args.tokens, rounds=args.rounds))
+        elif item == "tiers":
+            from asyncconn_tools.bench.engine_tiers import tiers_bench
+
+            summaries.append(
+                tiers_bench(
+                    tokens=args.tokens,
+                    prompts=args.prompts,
+                    rounds=args.rounds,
+                    host_cache_bytes=args.host_cache_bytes,
+                )
+            )
+        elif item == "tier-decode":
+            from asyncconn_tools.bench.engine_tiers import tier_decode_bench
+
+            summaries.append(tier_decode_bench(rounds=args.rounds, host_cache_bytes=args.host_cache_bytes))
         else:
             summaries.append(engine_runs.ec_bench(rounds=args.rounds))
     if args.json:

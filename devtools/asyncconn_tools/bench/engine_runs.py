@@ -328,9 +328,18 @@ def _example_connector(path: Path) -> Any:
 
 
 def decode_bench(
-    model_name: str = "text", rounds: int = 3, requests: int = 8, max_tokens: int = 128, batches: int = 5
+    model_name: str = "text",
+    rounds: int = 3,
+    requests: int = 8,
+    max_tokens: int = 128,
+    batches: int = 5,
+    *,
+    kv_extra: dict[str, Any] | None = None,
+    label: str = "asyncconn kv_both (file://)",
 ) -> dict[str, Any]:
     """Decode tokens/s with the KV connector attached (nothing to load) vs without, alternating rounds.
+
+    ``kv_extra``: the connector's ``extra_config`` (default: a fresh ``file://`` store), named ``label``.
 
     Each engine is timed on ``batches`` batches of fresh prompts (its median is its rate), and the ratio is
     the median of the per-round ratios: the two engines of a round run back to back, so a box whose speed
@@ -344,7 +353,8 @@ def decode_bench(
     vocab = 8000 if model_name == "text-100m" else 1000
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-"))
-    without, with_kv = "no connector", "asyncconn kv_both (file://)"
+    without, with_kv = "no connector", label
+    extra = kv_extra if kv_extra is not None else {"backend_url": f"file://{workdir / 'store'}"}
     rates: dict[str, list[float]] = {without: [], with_kv: []}
     rng = random.Random(3)
     # One in-process engine at a time (closing one tears down vLLM's process groups): each round builds
@@ -352,7 +362,7 @@ def decode_bench(
     for round_no in range(rounds):
         names = list(rates) if round_no % 2 == 0 else list(reversed(rates))
         for name in names:
-            kv = None if name == without else kv_config(backend_url=f"file://{workdir / 'store'}")
+            kv = None if name == without else kv_config(**extra)
             llm = make_llm(model, kv=kv, max_num_seqs=requests)
             try:
                 warm = [[rng.randrange(5, vocab) for _ in range(64)]]
