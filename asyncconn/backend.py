@@ -203,9 +203,11 @@ class StorageBackend(abc.ABC):
     #: or ``password_file``) for a store that does not is refused, rather than the password ignored.
     takes_password: ClassVar[bool] = False
     #: Set by whoever reports removals (e.g. KV events' ``BlockRemoved``): called on the loop thread with
-    #: the keys this backend removed by its own doing -- evicted or expired by ``file://``'s sweep. Not
-    #: called for ``delete``, nor for what a server drops without telling (Redis ``ttl``/``maxmemory``,
-    #: Mooncake eviction), nor for keys another process removed. A hook that raises is logged and ignored.
+    #: the keys this backend removed by its own doing -- evicted or expired by ``file://``'s sweep, or by a
+    #: ``redis://`` server's ``ttl``/``maxmemory`` when its URL has ``removals=listen``/``enable`` (keyspace
+    #: notifications). Not called for ``delete``, nor for what a server drops without telling (Mooncake
+    #: eviction, Redis Cluster), nor for keys another process's sweep removed. A hook that raises is logged
+    #: and ignored.
     on_removed: RemovedHook | None = None
 
     @classmethod

@@ -63,6 +63,7 @@ from .layout import (
     split_value,
 )
 from .reader import ChunkReader
+from .removals import RemovalListener, Removals, parse_removals
 from .writer import chunked_write
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,12 @@ class RedisBackend(StorageBackend):
         "check": Param.boolean(True, "PING when opening, so a wrong address or password fails at once"),
         "fast_read": Param.boolean(
             True, "read chunks into their buffers, and write chunked values, over raw sockets (not TLS)"
+        ),
+        "removals": Param(
+            parse_removals,
+            Removals.OFF,
+            "report the server's own expiry and eviction to on_removed (KV events' BlockRemoved): off, "
+            "listen (keyspace notifications as the server is set), enable (also CONFIG SET the flags)",
         ),
         "tls_ca": Param.text(None, "rediss://: CA bundle that signed the server certificate"),
         "tls_cert": Param.text(None, "rediss://: client certificate (mutual TLS)"),
@@ -169,6 +176,7 @@ class RedisBackend(StorageBackend):
         self.timeout = timeout
         self._reader = reader
         self._writer = None
+        self._listener: RemovalListener | None = None  # the server's own removals (``removals``)
         self._closed = False
         self._generation = fork_generation()
         self._pid = os.getpid()
@@ -201,6 +209,16 @@ class RedisBackend(StorageBackend):
             except BaseException:
                 await backend.close()
                 raise
+        if opts["removals"] is not Removals.OFF:
+            backend._listener = RemovalListener(
+                kwargs,
+                db=kwargs["db"],
+                prefix=opts["prefix"],
+                mode=opts["removals"],
+                hook=lambda: backend.on_removed,
+                name=name,
+            )
+            backend._listener.start()
         return backend
 
     @staticmethod
@@ -576,6 +594,8 @@ class RedisBackend(StorageBackend):
         if self._generation != fork_generation():  # a forked child: the sockets are the parent's
             keep_inherited(self)
             return
+        if self._listener is not None:
+            await self._listener.close()
         if self._reader is not None:
             await self._reader.close()
         await self._client.aclose()
@@ -596,6 +616,10 @@ class RedisBackend(StorageBackend):
         if self._reader is not None:
             raw = self._reader.held()
             out = {k: v + raw[k] for k, v in out.items()}
+        if self._listener is not None:
+            listener = self._listener.held()
+            out["connected"] += listener["connected"]
+            out["listener_tasks"] = listener["listener_tasks"]
         return out
 
 

@@ -318,3 +318,38 @@ def test_a_payload_vllm_refuses_turns_the_events_off_without_raising(
     assert events.off and "new_field" in caplog.text and caplog.text.count("KV events off") == 1
     events.update(SavedReport(saved={h[0]: 1, h[1]: 1}))
     assert events.take() == [] and events.held() == {"event_requests": 0, "event_snapshots": 0}
+
+
+def test_a_redis_value_the_server_expired_is_announced_removed(make_sim: Any, redis_server: Any) -> None:
+    """``redis://?removals=enable``: the server's own ``ttl`` expiry, heard through keyspace notifications
+    on asyncconn's loop, becomes a ``BlockRemoved`` of exactly the expired values' blocks with the store's
+    medium -- what no other path reports (nothing here reads or deletes the values)."""
+    import time
+    import uuid
+
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    url = f"{redis_server.url}?removals=enable&ttl=1s&prefix=ev{uuid.uuid4().hex[:8]}:"
+    sim = make_sim(kv=kv_spec(url), kv_events=True)
+    published = _Published()
+    sim.scheduler.kv_event_publisher = published
+    tokens = prompt(11, 3 * 16)
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    hashes = [maybe_convert_block_hash(h) for h in _request("h", tokens).block_hashes]
+    assert {h for e in published.ours("CPU") for h in e.block_hashes} == set(hashes)
+    worker = sim.workers[0].kv_connector.worker_side
+    listener = worker.store.backend._listener
+    deadline = time.monotonic() + 20
+    while listener.heard < len(hashes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert listener.heard >= len(hashes), "the expiry of the stored values was not heard"
+    later = prompt(12, 20)
+    sim.add_request("b", later, max_tokens=1)  # any step carries the report
+    run_checked(sim)
+    removed = [e for b in published.batches for e in b.events if isinstance(e, BlockRemoved)]
+    got = {h for e in removed for h in e.block_hashes}
+    b_hashes = {maybe_convert_block_hash(h) for h in _request("h2", later).block_hashes}
+    assert set(hashes) <= got <= set(hashes) | b_hashes  # "b"'s own value may expire meanwhile too
+    assert {(e.medium, e.locality, e.ownership) for e in removed} == {("CPU", "REMOTE", "asyncconn:redis")}
+    assert leaks(sim) == []
