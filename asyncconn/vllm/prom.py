@@ -17,6 +17,8 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from asyncconn.vllm.totals import HOST_COUNTERS
+
 __all__ = ["EC_COUNTERS", "EC_GAUGES", "ec_prom_metrics", "kv_prom_metrics"]
 
 #: Why an EC load or save failed (``load_failed_<cause>``, ``save_failed_<cause>``).
@@ -47,6 +49,7 @@ EC_COUNTERS = (
     "saves_confirmed",
     "saves_unconfirmed",
     "store_outages",
+    *HOST_COUNTERS,
 )
 #: EC gauges: processes (scheduler, workers) whose store is unreachable now.
 EC_GAUGES = ("store_unreachable",)

@@ -11,7 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Totals", "store_totals"]
+__all__ = ["HOST_COUNTERS", "Totals", "host_mark", "host_totals", "store_totals"]
+
+#: The host tier's counters (``host_cache_bytes``), named alike for KV and EC: reads it served (never
+#: reaching the store), reads it passed to the store, bytes it served, values it evicted.
+HOST_COUNTERS = ("host_hits", "host_misses", "host_bytes_hit", "host_evictions")
 
 
 class Totals:
@@ -52,3 +56,21 @@ def store_totals(reachability: Any) -> dict[str, int]:
     if reachability is None:
         return {}
     return {"store_outages": reachability.outages, "store_unreachable": 0 if reachability.reachable else 1}
+
+
+def host_totals(tier: Any) -> dict[str, int]:
+    """:data:`HOST_COUNTERS` of a store's host tier (None: no tier, nothing)."""
+    if tier is None:
+        return {}
+    stats = tier.stats
+    return {
+        "host_hits": stats.hits,
+        "host_misses": stats.misses,
+        "host_bytes_hit": stats.bytes_hit,
+        "host_evictions": stats.evictions,
+    }
+
+
+def host_mark(tier: Any) -> object:
+    """The fingerprint of :func:`host_totals` for :class:`Totals` (None: no tier)."""
+    return None if tier is None else (tier.stats.hits, tier.stats.misses, tier.stats.evictions)

@@ -39,7 +39,7 @@ from asyncconn.transfer import LoadResult, PinnedPool, SaveTracker, StreamLoader
 from asyncconn.transfer._device import LOAD_PRIORITY, SAVE_PRIORITY, TransferDevice, default_device
 from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport, ItemRef
-from asyncconn.vllm.totals import Totals, store_totals
+from asyncconn.vllm.totals import Totals, host_mark, host_totals, store_totals
 
 __all__ = ["ECWorkerSide"]
 
@@ -258,8 +258,10 @@ class ECWorkerSide:
 
     def _read_totals(self) -> dict[str, int]:
         """Saves the store confirmed (``saves``, ``saved_bytes``), failed ones by cause (``save_failed_*``),
-        and the store's reachability: the totals the saver's and the store's log lines quote."""
+        the store's reachability, and its host tier's counters (``host_cache_bytes``): the totals the saver's
+        and the store's log lines quote."""
         totals = store_totals(getattr(self.store, "reachability", None))
+        totals.update(host_totals(getattr(self.store, "host_tier", None)))
         saver = self.saver
         if saver is not None:
             totals.update(saves=saver.saved, saved_bytes=saver.saved_bytes)
@@ -271,7 +273,8 @@ class ECWorkerSide:
     def _totals_mark(self) -> object:
         reach, saver = getattr(self.store, "reachability", None), self.saver
         counts = (saver.saved, saver.failures.total()) if saver is not None else None
-        return counts, None if reach is None else (reach.outages, reach.reachable)
+        tier = host_mark(getattr(self.store, "host_tier", None))
+        return counts, None if reach is None else (reach.outages, reach.reachable), tier
 
     def has_pending_saves(self) -> bool:
         return self.saver is not None and self.saver.held()["requests"] > 0

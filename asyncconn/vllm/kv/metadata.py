@@ -19,7 +19,7 @@ from typing import Any
 
 from asyncconn.lookup.metrics import LATENCY_BUCKETS_MS
 from asyncconn.transfer.failures import Failure
-from asyncconn.vllm.totals import Totals, store_totals
+from asyncconn.vllm.totals import HOST_COUNTERS, Totals, host_mark, host_totals, store_totals
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -100,10 +100,8 @@ class AsyncConnKVMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is
 #: save tracker's reasons, less ``not_cached`` (a load retried through staging, not a failure).
 CAUSES = tuple(f.value for f in Failure if f is not Failure.NOT_CACHED)
 
-#: The host tier's counters (``host_cache_bytes``): reads it served (never reaching the store), reads it
-#: passed to the store, bytes it served, values it evicted. Reported only when not zero (the tier is off
-#: by default, and vLLM logs the whole dict every interval).
-HOST_COUNTERS = ("host_hits", "host_misses", "host_bytes_hit", "host_evictions")
+#: The host tier's counters (``asyncconn.vllm.totals.HOST_COUNTERS``) are reported only when not zero (the
+#: tier is off by default, and vLLM logs the whole dict every interval).
 
 #: Counters (summed). ``tokens_*`` count tokens, ``bytes_*`` bytes on this worker. ``saves`` are values the
 #: store confirmed written; ``saves_submitted`` those handed to the save tracker; failed ones are counted in
@@ -226,14 +224,7 @@ def worker_totals(saver: Any, loader: Any, store: Any, tokens_per_value: int) ->
             if reason is not Failure.NOT_CACHED:
                 totals[f"load_failures_{reason.value}"] = n
         totals.update(store_totals(reach))
-        if tier is not None:
-            stats = tier.stats
-            totals.update(
-                host_hits=stats.hits,
-                host_misses=stats.misses,
-                host_bytes_hit=stats.bytes_hit,
-                host_evictions=stats.evictions,
-            )
+        totals.update(host_totals(tier))
         return totals
 
     def mark() -> object:
@@ -242,7 +233,7 @@ def worker_totals(saver: Any, loader: Any, store: Any, tokens_per_value: int) ->
             saver.failures.total(),
             loader.failures.total(),
             None if reach is None else (reach.outages, reach.reachable),
-            None if tier is None else (tier.stats.hits, tier.stats.misses, tier.stats.evictions),
+            host_mark(tier),
         )
 
     return Totals(read, mark)
