@@ -205,9 +205,9 @@ class StorageBackend(abc.ABC):
     #: Set by whoever reports removals (e.g. KV events' ``BlockRemoved``): called on the loop thread with
     #: the keys this backend removed by its own doing -- evicted or expired by ``file://``'s sweep, or by a
     #: ``redis://`` server's ``ttl``/``maxmemory`` when its URL has ``removals=listen``/``enable`` (keyspace
-    #: notifications). Not called for ``delete``, nor for what a server drops without telling (Mooncake
-    #: eviction, Redis Cluster), nor for keys another process's sweep removed. A hook that raises is logged
-    #: and ignored.
+    #: notifications; ``redis+cluster://`` too). Not called for ``delete``, nor for what a server drops
+    #: without telling (Mooncake eviction), nor for keys another process's sweep removed. A hook that
+    #: raises is logged and ignored.
     on_removed: RemovedHook | None = None
 
     @classmethod

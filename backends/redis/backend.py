@@ -176,7 +176,7 @@ class RedisBackend(StorageBackend):
         self.timeout = timeout
         self._reader = reader
         self._writer = None
-        self._listener: RemovalListener | None = None  # the server's own removals (``removals``)
+        self._listeners: list[RemovalListener] = []  # the server's own removals (``removals``)
         self._closed = False
         self._generation = fork_generation()
         self._pid = os.getpid()
@@ -209,17 +209,24 @@ class RedisBackend(StorageBackend):
             except BaseException:
                 await backend.close()
                 raise
-        if opts["removals"] is not Removals.OFF:
-            backend._listener = RemovalListener(
+        backend._listen(opts, [(kwargs, kwargs["db"])])
+        return backend
+
+    def _listen(self, opts: dict[str, Any], servers: list[tuple[dict[str, Any], int]]) -> None:
+        """With ``removals``: one listener per server (connection arguments, database) on this loop."""
+        if opts["removals"] is Removals.OFF:
+            return
+        for kwargs, db in servers:
+            listener = RemovalListener(
                 kwargs,
-                db=kwargs["db"],
+                db=db,
                 prefix=opts["prefix"],
                 mode=opts["removals"],
-                hook=lambda: backend.on_removed,
-                name=name,
+                hook=lambda: self.on_removed,
+                name=self.name,
             )
-            backend._listener.start()
-        return backend
+            listener.start()
+            self._listeners.append(listener)
 
     @staticmethod
     def _chunk_reader(url: StoreURL, opts: dict[str, Any], kwargs: dict[str, Any]) -> ChunkReader | None:
@@ -594,8 +601,7 @@ class RedisBackend(StorageBackend):
         if self._generation != fork_generation():  # a forked child: the sockets are the parent's
             keep_inherited(self)
             return
-        if self._listener is not None:
-            await self._listener.close()
+        await self._close_listeners()
         if self._reader is not None:
             await self._reader.close()
         await self._client.aclose()
@@ -616,11 +622,21 @@ class RedisBackend(StorageBackend):
         if self._reader is not None:
             raw = self._reader.held()
             out = {k: v + raw[k] for k, v in out.items()}
-        if self._listener is not None:
-            listener = self._listener.held()
-            out["connected"] += listener["connected"]
-            out["listener_tasks"] = listener["listener_tasks"]
+        return self._listeners_held(out)
+
+    def _listeners_held(self, out: dict[str, int]) -> dict[str, int]:
+        """``out`` plus the removal listeners' open connections and ``listener_tasks`` (with ``removals``)."""
+        if self._listeners:
+            out["listener_tasks"] = 0
+        for listener in self._listeners:
+            held = listener.held()
+            out["connected"] += held["connected"]
+            out["listener_tasks"] += held["listener_tasks"]
         return out
+
+    async def _close_listeners(self) -> None:
+        for listener in self._listeners:
+            await listener.close()
 
 
 class _Landing(enum.Enum):

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import redis.exceptions as rexc
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import EqualJitterBackoff
 
@@ -45,6 +46,7 @@ from asyncconn.url import Param, StoreURL, redact
 from .backend import DEFAULT_CHUNK_SIZE, DEFAULT_PORT, RedisBackend, _gather
 from .cluster_internals import SlotTransaction, pool_counts
 from .reader import ChunkReader, Reply, ReplyError, Slot
+from .removals import Removals
 
 __all__ = ["RedisClusterBackend"]
 
@@ -173,6 +175,7 @@ class RedisClusterBackend(RedisBackend):
         "max_connections": Param.count(16, "connections per cluster node; a call finding none free fails"),
         "timeout": RedisBackend.params["timeout"],
         "check": Param.boolean(True, "read the slot map when opening, so a wrong address fails at once"),
+        "removals": RedisBackend.params["removals"],
         "retries": Param.count(3, "re-sends of a command after a node failure, re-reading the slot map"),
         "fast_read": Param.boolean(
             True, "read chunks over raw sockets (one reader per node) into their buffers"
@@ -238,14 +241,28 @@ class RedisClusterBackend(RedisBackend):
             else None,
             refresh_on_hit=opts["refresh_on_hit"],
         )
-        if opts["check"]:
+        if opts["check"] or opts["removals"] is not Removals.OFF:  # the listeners need the masters now
             try:
                 async with backend._guard("connect"):
                     await client.initialize()
             except BaseException:
                 await backend.close()
                 raise
+        backend._listen(opts, [(cls._node_kwargs(node, url, opts), 0) for node in client.get_primaries()])
         return backend
+
+    @staticmethod
+    def _node_kwargs(node: ClusterNode, url: StoreURL, opts: dict[str, Any]) -> dict[str, Any]:
+        """redis-py connection arguments of one node (its removal listener's own connection)."""
+        return {
+            "host": node.host,
+            "port": int(node.port),
+            "username": url.username,
+            "password": url.password,
+            "socket_timeout": opts["timeout"],
+            "socket_connect_timeout": opts["timeout"],
+            "connection_class": Connection,
+        }
 
     @contextlib.asynccontextmanager
     async def _guard(self, what: str) -> AsyncIterator[None]:
@@ -269,6 +286,7 @@ class RedisClusterBackend(RedisBackend):
         if self._generation != fork_generation():  # a forked child: the sockets are the parent's
             keep_inherited(self)
             return
+        await self._close_listeners()
         if self._reader is not None:
             await self._reader.close()
         with contextlib.suppress(rexc.RedisError, OSError):
@@ -285,4 +303,4 @@ class RedisClusterBackend(RedisBackend):
         if self._reader is not None:
             raw = self._reader.held()
             out = {k: v + raw[k] for k, v in out.items()}
-        return out
+        return self._listeners_held(out)

@@ -18,6 +18,8 @@ Modes (the URL's ``removals``): ``off`` (no listener), ``listen`` (subscribe; a 
 missing flags with ``CONFIG SET`` at every connection -- a restarted server has forgotten them; a server
 refusing ``CONFIG`` is logged once, never an error). It runs on the backend's loop, reconnects with
 jittered exponential backoff, and :meth:`RemovalListener.close` ends its task and its connection.
+``redis+cluster://`` runs one listener per master of the slot map read at open (each master publishes only
+its own keys' events).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from asyncconn_backends.redis.removals import key_of, missing_flags
 from asyncconn.backend import open_backend
 from asyncconn.url import with_param
 from tests.servers import RedisServer
+from tests.servers_distributed import RedisCluster
 
 
 def _prefix() -> str:
@@ -45,14 +46,15 @@ async def _open(url: str, **params: str) -> RedisBackend:
     for name, value in params.items():
         url = with_param(url, name, value)
     backend = await open_backend(url)
-    assert isinstance(backend, RedisBackend)
+    assert isinstance(backend, RedisBackend)  # redis+cluster:// too (a subclass)
     return backend
 
 
 async def _listening(backend: RedisBackend) -> None:
-    assert backend._listener is not None
+    assert backend._listeners
     async with asyncio.timeout(10):
-        await backend._listener.listening.wait()
+        for listener in backend._listeners:
+            await listener.listening.wait()
 
 
 async def _config(server: RedisServer, name: str, value: str | None = None) -> str:
@@ -87,7 +89,7 @@ async def test_ttl_expiry_reaches_on_removed_with_the_keys(fresh_redis: RedisSer
         await heard.wait_for({"small", "big"})
         await asyncio.sleep(0.3)  # the foreign keys expired meanwhile: never reported
         assert sorted(heard.keys) == ["big", "small"]
-        assert backend._listener is not None and backend._listener.heard == 2
+        assert [listener.heard for listener in backend._listeners] == [2]
     finally:
         await backend.close()
     assert backend.held() == {"connected": 0, "in_use": 0, "listener_tasks": 0}
@@ -125,7 +127,7 @@ async def test_listener_off_reports_nothing(fresh_redis: RedisServer) -> None:
     heard = _Heard()
     backend.on_removed = heard
     try:
-        assert backend._listener is None
+        assert backend._listeners == []
         await backend.put([("a", b"1")])
         await asyncio.sleep(0.5)
         assert await backend.exists(["a"]) == [False]
@@ -177,8 +179,7 @@ async def test_the_listener_comes_back_after_a_server_restart(fresh_redis: Redis
     backend.on_removed = heard
     try:
         await _listening(backend)
-        listener = backend._listener
-        assert listener is not None
+        (listener,) = backend._listeners
         await asyncio.to_thread(fresh_redis.restart)  # comes back empty, with its flags forgotten
         async with asyncio.timeout(10):
             while listener.outages == 0 or not listener.listening.is_set():
@@ -195,9 +196,9 @@ async def test_close_while_the_server_is_down_leaves_nothing(fresh_redis: RedisS
     backend = await _open(fresh_redis.url, removals="listen", prefix=_prefix())
     await _listening(backend)
     fresh_redis.kill()
-    assert backend._listener is not None
+    (listener,) = backend._listeners
     async with asyncio.timeout(10):
-        while backend._listener.outages < 2:  # reconnecting, with backoff
+        while listener.outages < 2:  # reconnecting, with backoff
             await asyncio.sleep(0.02)
     await backend.close()
     assert backend.held() == {"connected": 0, "in_use": 0, "listener_tasks": 0}
@@ -210,3 +211,21 @@ async def test_bad_removals_value_is_a_config_error(redis_server: RedisServer) -
 
     with pytest.raises(ConfigError, match="removals"):
         await open_backend(with_param(redis_server.url, "removals", "yes"))
+
+
+async def test_cluster_expiry_on_every_master_is_reported(redis_cluster: RedisCluster) -> None:
+    """One listener per master: keys expiring on each of the three masters all reach ``on_removed``."""
+    backend = await _open(redis_cluster.url, removals="enable", prefix=_prefix(), ttl="300ms")
+    heard = _Heard()
+    backend.on_removed = heard
+    try:
+        await _listening(backend)
+        assert len(backend._listeners) == redis_cluster.masters
+        keys = [f"c{i}" for i in range(30)]  # spread over every master's slots
+        await backend.put([(key, b"v") for key in keys])
+        await heard.wait_for(set(keys))
+        assert sorted(heard.keys) == sorted(keys)
+        assert all(listener.heard > 0 for listener in backend._listeners)
+    finally:
+        await backend.close()
+    assert backend.held()["listener_tasks"] == 0

@@ -339,7 +339,7 @@ def test_a_redis_value_the_server_expired_is_announced_removed(make_sim: Any, re
     hashes = [maybe_convert_block_hash(h) for h in _request("h", tokens).block_hashes]
     assert {h for e in published.ours("CPU") for h in e.block_hashes} == set(hashes)
     worker = sim.workers[0].kv_connector.worker_side
-    listener = worker.store.backend._listener
+    (listener,) = worker.store.backend._listeners
     deadline = time.monotonic() + 20
     while listener.heard < len(hashes) and time.monotonic() < deadline:
         time.sleep(0.05)
