@@ -50,6 +50,9 @@ BATCH = 512
 #: up to half, so the engines of a fleet do not reconnect in step after a server restart).
 FIRST_DELAY = 0.05
 MAX_DELAY = 5.0
+#: Silence on the subscription after which the listener PINGs the server (and gives the connection up
+#: after as long again without an answer).
+IDLE = 30.0
 #: The ``notify-keyspace-events`` flags the listener needs: key-event channels, expired, evicted.
 _NEEDED = "Exe"
 
@@ -120,6 +123,8 @@ class RemovalListener:
         self._told: set[str] = set()
         #: Set while subscribed (tests and ``held`` read it).
         self.listening = asyncio.Event()
+        #: Seconds of silence before a PING, and then before the connection is given up as dead.
+        self.idle = IDLE
         self.heard = 0  # keys of ours handed to the hook
         self.unheard = 0  # keys of ours removed while no hook was set
         self.outages = 0  # connections lost or refused: removals meanwhile were not heard
@@ -174,12 +179,23 @@ class RemovalListener:
         self._pool = ConnectionPool(max_connections=2, **self._pool_kwargs)
         client = aioredis.Redis(connection_pool=self._pool)
         await self._check_flags(client)
+        await self._pool.disconnect(inuse_connections=False)  # the CONFIG connection: one socket is enough
         pubsub = client.pubsub()
         await pubsub.subscribe(*self._channels)
         self.listening.set()
         self._told.discard("lost")  # a later outage is news again
+        pinged = False
         while True:
-            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+            message = await pubsub.get_message(timeout=self.idle)
+            if message is None:
+                # Silence: a hung server or a cut without a reset never ends the read on its own. PING,
+                # and a second silence ends the session (pub/sub answers a PING with a "pong" message).
+                if pinged:
+                    raise rexc.TimeoutError(f"no answer to PING within {self.idle:g}s")
+                await pubsub.ping()
+                pinged = True
+                continue
+            pinged = False
             keys: list[str] = []
             while message is not None:
                 if message["type"] == "message":
@@ -188,7 +204,7 @@ class RemovalListener:
                         keys.append(key)
                 if len(keys) >= BATCH:
                     break
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.0)
+                message = await pubsub.get_message(timeout=0.0)
             if keys:
                 self._report(keys)
 

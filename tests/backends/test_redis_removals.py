@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 import redis.asyncio as aioredis
+from asyncconn_backends.redis import removals
 from asyncconn_backends.redis.backend import RedisBackend
 from asyncconn_backends.redis.removals import key_of, missing_flags
 
@@ -229,3 +230,32 @@ async def test_cluster_expiry_on_every_master_is_reported(redis_cluster: RedisCl
     finally:
         await backend.close()
     assert backend.held()["listener_tasks"] == 0
+
+
+async def test_a_hung_server_is_noticed_by_ping_and_the_listener_comes_back(
+    fresh_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen server (SIGSTOP) never closes the socket: the listener's PING after a silence finds it."""
+    monkeypatch.setattr(removals, "IDLE", 0.2)
+    backend = await _open(fresh_redis.url, removals="enable", prefix=_prefix(), ttl="150ms")
+    heard = _Heard()
+    backend.on_removed = heard
+    try:
+        await _listening(backend)
+        (listener,) = backend._listeners
+        await asyncio.sleep(0.5)  # quiet, answered PINGs: still the same session
+        assert listener.outages == 0 and listener.listening.is_set()
+        await asyncio.to_thread(fresh_redis.pause)
+        try:
+            async with asyncio.timeout(10):
+                while listener.outages == 0:
+                    await asyncio.sleep(0.02)
+        finally:
+            fresh_redis.resume()
+        async with asyncio.timeout(10):
+            await listener.listening.wait()
+        await backend.put([("after", b"1")])
+        await heard.wait_for({"after"})
+    finally:
+        await backend.close()
+    assert backend.held() == {"connected": 0, "in_use": 0, "listener_tasks": 0}
