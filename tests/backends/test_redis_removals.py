@@ -259,3 +259,39 @@ async def test_a_hung_server_is_noticed_by_ping_and_the_listener_comes_back(
     finally:
         await backend.close()
     assert backend.held() == {"connected": 0, "in_use": 0, "listener_tasks": 0}
+
+
+async def test_a_hook_that_raises_is_logged_and_the_listener_goes_on(
+    fresh_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = await _open(fresh_redis.url, removals="enable", prefix=_prefix(), ttl="100ms")
+    heard = _Heard()
+    calls = 0
+
+    def flaky(keys: Sequence[str]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the hook")
+        heard(keys)
+
+    try:
+        await _listening(backend)
+        (listener,) = backend._listeners
+        assert listener.unheard == 0
+        await backend.put([("no-hook", b"1")])  # removed while nobody listens: counted, not kept
+        async with asyncio.timeout(10):
+            while listener.unheard == 0:
+                await asyncio.sleep(0.02)
+        backend.on_removed = flaky
+        with caplog.at_level(logging.ERROR, logger="asyncconn_backends.redis.removals"):
+            await backend.put([("first", b"1")])
+            async with asyncio.timeout(10):
+                while calls == 0:
+                    await asyncio.sleep(0.02)
+            await backend.put([("second", b"1")])
+            await heard.wait_for({"second"})
+        assert "on_removed hook failed" in caplog.text
+        assert "no-hook" not in heard.keys and listener.outages == 0
+    finally:
+        await backend.close()
