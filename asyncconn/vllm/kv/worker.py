@@ -374,7 +374,8 @@ class KVWorkerSide:
                 continue
             if ref is not fetch.owner_ref:  # the owner's value landed in its blocks already
                 landing.deliver(value, ref, fetch.owner_ref)
-            self._stats.add("tokens_loaded", len(ref.positions) * block_size)
+            if ref.part == 0:  # a value's tokens once, not once per part
+                self._stats.add("tokens_loaded", len(ref.positions) * block_size)
 
     def _drop_target(self, rid: str, key: str, failed: set[int] | None) -> None:
         """Detach a request from a fetch (cancelling the fetch when nobody else waits for it).
