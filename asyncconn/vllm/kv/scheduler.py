@@ -297,8 +297,8 @@ class KVSchedulerSide:
             return tuple(tuple(g[v * bpv : (v + 1) * bpv]) for g in state.block_ids)
 
         if parts.window is None:
-            # A value with the null block in a windowed group (blocks vLLM freed, or never gave, outside
-            # the window) cannot be saved whole: it is skipped (a later request's hit stops before it).
+            # One part of every layer: a value with the null block somewhere (a windowed group's, were one
+            # ever stored this way) cannot be saved whole, so it is skipped (a later hit stops before it).
             for v in range(state.stored_values, full):
                 ref = ValueRef(hashes[v], whole, ids(v))
                 if not has_null(ref.block_ids):
