@@ -213,3 +213,21 @@ def _output() -> Any:
         num_scheduled_tokens={},
         total_num_scheduled_tokens=1,
     )
+
+
+def test_a_parts_layout_writes_only_its_layers_whatever_the_other_groups_hold() -> None:
+    """A whole part's values land in the full-attention layers at their blocks, batched (the sliding-window
+    group's null block is not this layout's concern), and the sliding-window layers are not touched."""
+    from asyncconn.vllm.kv.layout import CacheLayout
+    from asyncconn.vllm.kv.metadata import ValueRef
+
+    caches = {"g0.l": torch.zeros(8, 2, 4), "g1.l": torch.zeros(8, 2, 4)}
+    layout = CacheLayout(caches, ["g1.l"], {"g0.l": 0, "g1.l": 1}, 8, 1)
+    values = [torch.full(layout.value_shape, float(i + 1)) for i in range(2)]
+    refs = [ValueRef(HASHES[i], (0,), ((NULL_BLOCK_ID,), (3 + i,))) for i in range(2)]
+    assert not layout.has_null(refs[0])
+    layout.scatter_batch(list(zip(values, refs, strict=True)))
+    assert caches["g1.l"][3].eq(1).all() and caches["g1.l"][4].eq(2).all()
+    assert not caches["g1.l"][:3].any() and not caches["g1.l"][5:].any()
+    assert not caches["g0.l"].any()
+    assert [g.tolist() for g in layout.gather(refs)] == [v.tolist() for v in values]
