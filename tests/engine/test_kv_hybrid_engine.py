@@ -36,6 +36,15 @@ rng = random.Random(7)
 HEAD = [rng.randrange(5, 1000) for _ in range(160)]
 PROMPTS = [HEAD + [rng.randrange(5, 1000) for _ in range(100)] for _ in range(3)]  # 8 full blocks each
 FULL_BLOCKS = len(PROMPTS[0]) // BLOCK_SIZE
+#: Prompts of the cut tests (``test_the_window_is_stored_only_at_the_cut...``): SHORT stops after the head's
+#: 5 blocks (its window, blocks 3 and 4, is stored); OTHER shares nothing with the others; FALLBACK shares 6
+#: blocks with PROMPTS[0], whose window at 6 (blocks 4, 5) nobody stored, but the window at 5 SHORT did;
+#: ZERO shares 3 blocks with OTHER, and no window inside them was stored.
+SHORT = HEAD + [rng.randrange(5, 1000) for _ in range(10)]
+OTHER = [rng.randrange(5, 1000) for _ in range(260)]
+FALLBACK = PROMPTS[0][:200] + [rng.randrange(5, 1000) for _ in range(60)]
+ZERO = OTHER[:100] + [rng.randrange(5, 1000) for _ in range(160)]
+EXTRA = [FALLBACK, ZERO]
 #: The Gemma-2-style model's expected groups: one per layer kind, its two layers each.
 GEMMA2_GROUPS = [
     ("SlidingWindowSpec", ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]),
@@ -68,10 +77,18 @@ def hybrid_reference(hybrid_model: Path) -> Iterator[dict[str, Any]]:
             assert probe.kv_groups() == GEMMA2_GROUPS
         tokens = generate(llm, PROMPTS)
         assert len({tuple(t) for t in tokens}) == len(PROMPTS)  # the tokens depend on the context
+        kv = [probe.prompt_kv_by_group(p) for p in PROMPTS]
+        extra_tokens = []
+        extra_kv = []
+        for prompt in EXTRA:
+            extra_tokens += generate(llm, [prompt])
+            extra_kv.append(probe.prompt_kv_by_group(prompt))
         yield {
             "tokens": tokens,
-            "kv": [probe.prompt_kv_by_group(p) for p in PROMPTS],
+            "kv": kv,
             "groups": probe.kv_groups(),
+            "extra_tokens": extra_tokens,
+            "extra_kv": extra_kv,
         }
     finally:
         close_llm(llm)
@@ -120,6 +137,83 @@ def test_a_hybrid_models_kv_is_saved_and_loaded_byte_exact(
         for b in range(FULL_BLOCKS - WINDOW_BLOCKS, FULL_BLOCKS):
             assert all(got[b][name] is not None for name in window_layers), b
     # vLLM's null block (block 0: the sliding-window groups' positions outside the window) never written
+    assert all(not cache[0].any() for cache in probe.kv_caches().values())
+    assert_idle(probe)
+
+
+def _window_first_block(cut: int) -> int:
+    """The first block the sliding-window layers read at a cut of ``cut`` blocks (vLLM's rule, written out
+    for the 64-token window: tokens before ``cut * 32 - 64 + 1`` are skipped)."""
+    return max(0, cut * BLOCK_SIZE - 64 + 1) // BLOCK_SIZE
+
+
+def test_the_window_is_stored_only_at_the_cut_and_a_shorter_prefix_hits_only_where_its_window_is(
+    hybrid_model: Path,
+    hybrid_reference: dict[str, Any],
+    engines: list[Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engine 1 saves SHORT, then PROMPTS and OTHER: the store holds every prefix block's full-attention
+    layers, and the sliding-window layers only of the blocks inside the window at each prompt's cut -- no
+    other key. A fresh engine 2 then serves FALLBACK, whose shared prefix (6 blocks) ends where no window
+    was stored: it hits the 5 blocks whose window SHORT stored, and computes the rest; and ZERO, whose
+    shared prefix holds no stored window: no hit. Tokens and KV equal a connector-less engine's."""
+    from urllib.parse import quote
+
+    store = tmp_path / "store"
+    url = f"file://{store}"
+    first = make_llm(hybrid_model, kv=kv_config(backend_url=url))
+    engines.append(first)
+    probe = Probe(first)
+    generate(first, [SHORT])  # alone: the others then find the head in vLLM's prefix cache
+    generate(first, [*PROMPTS, OTHER])
+    assert_idle(probe)
+    parts = probe.kv_worker_connector().worker_side.parts
+    assert parts.split and parts.whole == 0 and parts.window == 1
+    whole, window = set(), set()
+    for prompt in (SHORT, *PROMPTS, OTHER):
+        hashes = probe.block_hashes(prompt)
+        cut = len(prompt) // BLOCK_SIZE
+        whole |= {parts.keys[0].store_key(bytes(hashes[b]), 0) for b in range(cut)}
+        window |= {parts.keys[1].store_key(bytes(hashes[b]), 0) for b in range(_window_first_block(cut), cut)}
+    assert len(window) == 2 * 5  # SHORT's blocks 3 and 4, and blocks 6 and 7 of the four others
+    names = {p.name for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    assert names == {quote(k, safe="") for k in whole | window}
+    close_llm(first)
+    engines.remove(first)
+
+    second = make_llm(hybrid_model, kv=kv_config(backend_url=url))
+    engines.append(second)
+    probe = Probe(second)
+    connector = probe.kv_scheduler_connector()
+    lookup = connector.get_num_new_matched_tokens
+    answers: dict[int, list[int | None]] = {}  # prompt length -> what each call answered
+
+    def recorded(request: Any, num_computed_tokens: int) -> Any:
+        hit, is_async = lookup(request, num_computed_tokens)
+        answers.setdefault(request.num_prompt_tokens, []).append(hit)
+        return hit, is_async
+
+    monkeypatch.setattr(connector, "get_num_new_matched_tokens", recorded)
+    (want_fallback, want_zero) = hybrid_reference["extra_tokens"]
+    assert generate(second, [FALLBACK]) == [want_fallback]
+    assert probe.metrics()["vllm:external_prefix_cache_hits"] == 5 * BLOCK_SIZE
+    got = probe.prompt_kv_by_group(FALLBACK)
+    want = hybrid_reference["extra_kv"][0]
+    full_layers = {
+        n for kind, names in hybrid_reference["groups"] for n in names if kind == "FullAttentionSpec"
+    }
+    for b in range(FULL_BLOCKS):
+        for name in got[b]:
+            g, w = got[b][name], want[b][name]
+            if name in full_layers or g is not None:  # full attention: every block; sliding window: held
+                assert g is not None and w is not None and torch.equal(g, w), (b, name)
+        if b >= FULL_BLOCKS - WINDOW_BLOCKS:  # the window the next token reads is there
+            assert all(got[b][name] is not None for name in got[b]), b
+    assert generate(second, [ZERO]) == [want_zero]
+    assert answers[len(ZERO)][0] is None and answers[len(ZERO)][-1] == 0  # asked the store: no usable hit
+    assert probe.metrics()["vllm:external_prefix_cache_hits"] == 5 * BLOCK_SIZE
     assert all(not cache[0].any() for cache in probe.kv_caches().values())
     assert_idle(probe)
 

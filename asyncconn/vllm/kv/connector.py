@@ -49,6 +49,7 @@ from asyncconn.vllm.kv.events import KVEvents, SaveReports, tier_of
 from asyncconn.vllm.kv.groups import GroupLayout, check_groups
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
+from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from asyncconn.vllm.kv.worker import KVWorkerSide
 from asyncconn.vllm.logs import follow_vllm_logging, log_start
@@ -129,7 +130,9 @@ class AsyncConnKVConnector(
         self._identity = KVIdentity.from_vllm(
             vllm_config, kv_cache_config, tp_size=tp_size, blocks_per_value=self.settings.kv_blocks_per_value
         )
-        keys = KeySpace(self._identity, self.settings.key_prefix)
+        self._groups = groups
+        parts = ValueParts.of(KeySpace(self._identity, self.settings.key_prefix), groups)
+        keys = parts.keys[0]  # what events name values by: their first part's keys
         self._scheduler: KVSchedulerSide | None = None
         self._worker: KVWorkerSide | None = None
         self.tier = tier_of(self.settings.backend_url)
@@ -148,11 +151,12 @@ class AsyncConnKVConnector(
                 sync_lookup=self.settings.sync_lookup,
                 sync_loads=self.settings.kv_sync_loads,
                 events=KVEvents(keys, self.tier) if events else None,
+                parts=parts,
             )
             where = _lookups(self.settings, lookup)
             log_start("KV", f"scheduler ({config.kv_role})", self.settings, lookups=where)
         else:
-            self._worker = self._build_worker(keys, groups, rank, kv_cache_config, events=events)
+            self._worker = self._build_worker(parts, groups, rank, kv_cache_config, events=events)
             log_start("KV", f"worker rank {rank} of {tp_size} ({config.kv_role})", self.settings)
 
     @classmethod
@@ -171,7 +175,7 @@ class AsyncConnKVConnector(
 
     def _build_worker(
         self,
-        keys: KeySpace,
+        parts: ValueParts,
         groups: GroupLayout,
         rank: int,
         kv_cache_config: Any,
@@ -208,7 +212,7 @@ class AsyncConnKVConnector(
             store, runtime=runtime, device=save_device, pool=pool, skip_existing=settings.save_skip_existing
         )
         return KVWorkerSide(
-            keys,
+            parts.keys[0],
             store=store,
             loader=loader,
             saver=saver,
@@ -221,19 +225,21 @@ class AsyncConnKVConnector(
             preempt_timeout=settings.preempt_timeout,
             windowed=groups.windowed,
             events=SaveReports() if events else None,
+            parts=parts,
         )
 
     # -- the one object this facade delegates to -------------------------------------------------------
     def configure_tensor_parallel(self, tp_size: int, rank: int = 0) -> None:
         """Override the TP size (and a worker's rank) where vLLM's TP group is not set up (simulators)."""
         self._identity = dataclasses.replace(self._identity, tp_size=tp_size)
-        keys = KeySpace(self._identity, self.settings.key_prefix)
+        parts = ValueParts.of(KeySpace(self._identity, self.settings.key_prefix), self._groups)
+        keys = parts.keys[0]
         if self._scheduler is not None:
-            self._scheduler.keys = keys
+            self._scheduler.keys, self._scheduler.parts = keys, parts
             if self._scheduler.events is not None:
                 self._scheduler.events.keys = keys
         if self._worker is not None:
-            self._worker.keys = keys
+            self._worker.keys, self._worker.parts = keys, parts
             self._worker.set_rank(rank)
 
     @property

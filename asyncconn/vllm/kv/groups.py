@@ -8,6 +8,11 @@ request owns and which must never be read or written for a request. A loaded val
 position at which a windowed group has the null block: that group's layers are not written there (vLLM
 will not read them), and a value is never saved from a null block.
 
+With such groups a value is stored in two *parts* (:class:`GroupLayout`): the whole-life groups' layers
+for every prefix block, and the windowed groups' layers only for the blocks inside the window at the
+cut (where the request stopped storing) -- the blocks a later request resuming there reads
+(:class:`Window`, vLLM's own rule). A model whose groups are all whole-life has one part, every layer.
+
 Mamba and other state-space groups keep one running state per request rather than per-block KV; a value
 of blocks cannot hold them, so such models are refused at start-up.
 
@@ -25,7 +30,16 @@ from typing import Any
 
 from asyncconn.exceptions import ConfigError
 
-__all__ = ["NULL_BLOCK_ID", "GroupLayout", "check_groups", "has_null", "real_blocks", "replicated"]
+__all__ = [
+    "NULL_BLOCK_ID",
+    "GroupLayout",
+    "Part",
+    "Window",
+    "check_groups",
+    "has_null",
+    "real_blocks",
+    "replicated",
+]
 
 #: Group kinds whose blocks a request keeps for its whole life (every prefix block is stored and loaded).
 _WHOLE = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
@@ -57,12 +71,62 @@ def replicated(kv_cache_groups: Sequence[Any]) -> bool:
 
 
 @dataclass(frozen=True)
+class Window:
+    """Which blocks the windowed groups' layers read once a request has computed ``tokens`` tokens.
+
+    vLLM pads a request's table with the null block for the tokens a group skips
+    (``get_num_skipped_tokens`` of ``SlidingWindowManager`` and ``ChunkedLocalAttentionManager``) and gives
+    real blocks, to be loaded, from there on; a sliding-window prefix hit of ``n`` blocks needs the last
+    ``cdiv(sliding_window - 1, block_size)`` of them (``find_longest_cache_hit``), the same blocks. Each
+    entry is ``(kind, size, extra)``: ``("sliding", sliding_window, extra_retained_tokens)`` or
+    ``("chunked", attention_chunk_size, 0)``.
+    """
+
+    rules: tuple[tuple[str, int, int], ...]
+    block_size: int
+
+    def first_block(self, tokens: int) -> int:
+        """The first block some windowed group reads at ``tokens`` computed tokens (the earliest of them)."""
+        return min(self._skipped(rule, tokens) for rule in self.rules) // self.block_size
+
+    @staticmethod
+    def _skipped(rule: tuple[str, int, int], tokens: int) -> int:
+        kind, size, extra = rule
+        if kind == "sliding":
+            return max(0, tokens - size + 1 - extra)
+        return tokens // size * size
+
+    @classmethod
+    def of(cls, specs: Sequence[Any], block_size: int) -> Window:
+        rules = []
+        for spec in specs:
+            if type(spec).__name__ == "SlidingWindowSpec":
+                extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+                rules.append(("sliding", int(spec.sliding_window), extra))
+            else:
+                rules.append(("chunked", int(spec.attention_chunk_size), 0))
+        return cls(tuple(rules), block_size)
+
+
+@dataclass(frozen=True)
+class Part:
+    """The layers one stored value holds: the whole-life groups' (every prefix block), or the windowed
+    groups' (``windowed``: only the blocks inside the window at the cut)."""
+
+    layers: list[str]
+    windowed: bool
+
+
+@dataclass(frozen=True)
 class GroupLayout:
     """The KV cache groups as a value holds them: every layer, in group order, and which group each is in."""
 
     layers: list[str]
     group_of_layer: dict[str, int]
     windowed: bool  # some group frees blocks while the request runs (see the module docstring)
+    #: The parts a value is stored in, whole-life first: one (every layer) without windowed groups.
+    parts: tuple[Part, ...] = ()
+    window: Window | None = None  # the windowed groups' rule (None without any)
 
 
 def check_groups(kv_cache_config: Any) -> GroupLayout:
@@ -98,8 +162,18 @@ def check_groups(kv_cache_config: Any) -> GroupLayout:
             f"have block sizes {block_sizes}. Start vLLM with --disable-hybrid-kv-cache-manager."
         )
     layers = [name for g in groups for name in g.layer_names]
+    windowed = [g for g, k in zip(groups, kinds, strict=True) if k in _WINDOWED]
+    whole_layers = [name for g, k in zip(groups, kinds, strict=True) if k in _WHOLE for name in g.layer_names]
+    window_layers = [name for g in windowed for name in g.layer_names]
+    parts = tuple(
+        Part(part_layers, is_windowed)
+        for part_layers, is_windowed in ((whole_layers, False), (window_layers, True))
+        if part_layers
+    )
     return GroupLayout(
         layers,
         {name: i for i, g in enumerate(groups) for name in g.layer_names},
-        windowed=any(k in _WINDOWED for k in kinds),
+        windowed=bool(windowed),
+        parts=parts,
+        window=Window.of([g.kv_cache_spec for g in windowed], block_sizes[0]) if windowed else None,
     )

@@ -22,7 +22,6 @@ from asyncconn import codec
 from asyncconn.store import Scattered, TensorStore
 from asyncconn.transfer import Failure, LoadResult, TensorSpec
 from asyncconn.transfer.runs import runs
-from asyncconn.vllm.kv.groups import has_null
 from asyncconn.vllm.kv.layout import CacheLayout
 from asyncconn.vllm.kv.loads import HostLanding
 from asyncconn.vllm.kv.metadata import ValueRef
@@ -54,7 +53,7 @@ class InPlaceLanding(HostLanding):
         assert per_layer * len(self.cache_bytes) == self.staged.staging_nbytes
 
     def destination(self, ref: ValueRef) -> tuple[TensorSpec | Scattered, bool]:
-        if ref.positions != self.layout.whole or has_null(ref.block_ids):
+        if ref.positions != self.layout.whole or self.layout.has_null(ref):
             return self.staged, False
         per_block = self.block_bytes
         blocks = self.layout.layer.layer_shape[self.layout.block_dim]

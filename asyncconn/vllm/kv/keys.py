@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from asyncconn.exceptions import ConfigError
@@ -108,6 +108,14 @@ class KeySpace:
             h = hashlib.blake2b(self.namespace, digest_size=_DIGEST)
             h.update(rank.to_bytes(4, "little"))
             self._seeded.append(h)
+
+    def of_layers(self, layers: Sequence[str]) -> KeySpace:
+        """The key space of a value holding only ``layers`` (a part of a hybrid model's value, see
+        :mod:`asyncconn.vllm.kv.parts`): the layers are in the namespace, so its keys never name a value of
+        other layers -- itself when ``layers`` are all of them (the same keys as ever)."""
+        if tuple(layers) == self.identity.layers:
+            return self
+        return KeySpace(replace(self.identity, layers=tuple(layers)), self.key_prefix)
 
     @property
     def tp_size(self) -> int:

@@ -87,6 +87,12 @@ class CacheLayout:
         self.value_shape = self.layer.value_shape(len(layers), blocks_per_value)
         self.dtype = self.layer.dtype
         self.device = self.caches[0][0].device
+        self.groups = sorted({group for _, group in self.caches})  # the KV cache groups these layers are in
+
+    def has_null(self, ref: ValueRef) -> bool:
+        """Whether one of this layout's groups has the null block at a position of ``ref`` (a group whose
+        layers another part of the value holds does not count)."""
+        return has_null([ref.block_ids[g] for g in self.groups])
 
     @property
     def block_dim(self) -> int:
@@ -122,9 +128,9 @@ class CacheLayout:
         of one tensor) and each layer gets one indexed write at all their block ids. Partial values and
         values touching the null block go through :meth:`scatter`.
         """
-        whole = [(v, ref) for v, ref in batch if ref.positions == self.whole and not has_null(ref.block_ids)]
+        whole = [(v, ref) for v, ref in batch if ref.positions == self.whole and not self.has_null(ref)]
         for value, ref in batch:
-            if ref.positions != self.whole or has_null(ref.block_ids):
+            if ref.positions != self.whole or self.has_null(ref):
                 self.scatter(value, ref)
         if len(whole) == 1:
             self.scatter(*whole[0])

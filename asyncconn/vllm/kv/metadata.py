@@ -51,12 +51,14 @@ class ValueRef:
 
     ``positions`` are the block positions inside the value that take part (all of them for a save; for a
     load, those not already in the local prefix cache); ``block_ids[g][i]`` is the block of KV cache group
-    ``g`` that holds position ``positions[i]``.
+    ``g`` that holds position ``positions[i]``. ``part``: which part of the value, on a model whose
+    windowed groups are stored apart (:class:`asyncconn.vllm.kv.parts.ValueParts`); 0 otherwise.
     """
 
     value_hash: bytes
     positions: tuple[int, ...]
     block_ids: tuple[tuple[int, ...], ...]
+    part: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from asyncconn.transfer.lazy import Pieces, Shared
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.layout import CacheLayout
 from asyncconn.vllm.kv.metadata import SaveSpec
+from asyncconn.vllm.kv.parts import part_ident
 
 __all__ = ["CopyThreadSaves", "InlineSaves", "StepSaves", "StreamSaves", "step_saves"]
 
@@ -38,9 +40,10 @@ log = logging.getLogger(__name__)
 class StepSaves(ABC):
     """Hands a step's values to the save tracker (``submit``) and guards preempted requests' blocks."""
 
-    def __init__(self, saver: SaveTracker, layout: CacheLayout) -> None:
+    def __init__(self, saver: SaveTracker, layout: CacheLayout, *, part: int = 0) -> None:
         self.saver = saver
         self.layout = layout
+        self.part = part  # which part of a value ``layout`` holds (``ValueRef.part``)
 
     @abstractmethod
     def submit(self, specs: Sequence[SaveSpec], keys: KeySpace, rank: int) -> tuple[dict[str, int], int]:
@@ -63,14 +66,16 @@ class CopyThreadSaves(StepSaves):
     thread, before ``submit`` returns.
     """
 
-    def __init__(self, saver: SaveTracker, layout: CacheLayout, *, windowed: bool) -> None:
-        super().__init__(saver, layout)
+    def __init__(self, saver: SaveTracker, layout: CacheLayout, *, windowed: bool, part: int = 0) -> None:
+        super().__init__(saver, layout, part=part)
         self.windowed = windowed
-        self._namer: tuple[KeySpace, int, Callable[[bytes], str]] | None = None
+        self._namer: tuple[KeySpace, int, Callable[[Any], str]] | None = None
 
-    def _name(self, keys: KeySpace, rank: int) -> Callable[[bytes], str]:
+    def _name(self, keys: KeySpace, rank: int) -> Callable[[Any], str]:
         if self._namer is None or self._namer[0] is not keys or self._namer[1] != rank:
-            self._namer = (keys, rank, keys.namer(rank))
+            namer = keys.namer(rank)
+            # Another part's idents are ``(part, hash)`` (``part_ident``): named by the hash.
+            self._namer = (keys, rank, namer if self.part == 0 else (lambda ident: namer(ident[1])))
         return self._namer[2]
 
     def submit(self, specs: Sequence[SaveSpec], keys: KeySpace, rank: int) -> tuple[dict[str, int], int]:
@@ -91,7 +96,8 @@ class CopyThreadSaves(StepSaves):
             if not n:
                 continue
             values = Pieces(shared, 0, shape[0], n, shape, layout.dtype, start)
-            got = submit_many(spec.request_id, [ref.value_hash for ref in refs], values, name=name)
+            idents = [part_ident(self.part, ref.value_hash) for ref in refs]
+            got = submit_many(spec.request_id, idents, values, name=name)
             accepted[spec.request_id] = accepted.get(spec.request_id, 0) + got
             start += n
         return accepted, start
@@ -116,7 +122,8 @@ class InlineSaves(StepSaves):
         names = keys.store_keys([ref.value_hash for _, ref in refs], rank)
         items = [(rid, key) for (rid, _), key in zip(refs, names, strict=True)]
         accepted = dict.fromkeys((rid for rid, _ in refs), 0)
-        idents = [ref.value_hash for _, ref in refs]  # as CopyThreadSaves: a value is known by its hash
+        # As CopyThreadSaves: a value is known by its hash (another part by ``(part, hash)``).
+        idents = [part_ident(self.part, ref.value_hash) for _, ref in refs]
         for row in self.saver.submit_stacked(items, stacked, idents):
             accepted[items[row][0]] += 1
         return accepted, len(refs)
@@ -140,13 +147,13 @@ class StreamSaves(InlineSaves):
         return done
 
 
-def step_saves(saver: SaveTracker, layout: CacheLayout, *, windowed: bool) -> StepSaves:
-    """The mode for this tracker's device (see the module docstring)."""
+def step_saves(saver: SaveTracker, layout: CacheLayout, *, windowed: bool, part: int = 0) -> StepSaves:
+    """The mode for this tracker's device (see the module docstring), for values' part ``part``."""
     if saver.copy_thread is not None:
-        return CopyThreadSaves(saver, layout, windowed=windowed)
+        return CopyThreadSaves(saver, layout, windowed=windowed, part=part)
     if saver.device.synchronous:
-        return InlineSaves(saver, layout)
-    return StreamSaves(saver, layout)
+        return InlineSaves(saver, layout, part=part)
+    return StreamSaves(saver, layout, part=part)
 
 
 def _gather_rows(layout: CacheLayout, specs: Sequence[SaveSpec]) -> torch.Tensor:

@@ -14,6 +14,13 @@ that ever had a save planned holds its blocks past ``request_finished`` (returns
 report it in ``finished_sending``; one finished while its load runs holds them until every worker reports it
 in ``finished_recving`` (vLLM's rule for finished requests), and the next metadata says so
 (``finished_via_recv``) because only the scheduler sees the workers' merged reports.
+
+On a hybrid model whose windowed groups are stored apart (:mod:`asyncconn.vllm.kv.parts`) a lookup takes
+two kinds of questions, one per step at most: how many leading values' whole parts are there (``n``), then
+whether the window parts a hit of ``n`` needs are there, newest first; a missing one at value ``m`` ends
+every hit whose window holds it, so the next question is the window at ``m``, until one is complete or
+``n`` is 0. Saves store every value's whole part and the window parts of the values inside the window at
+the step's cut.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from asyncconn.vllm.kv.metadata import (
     ValueRef,
     lookup_totals,
 )
+from asyncconn.vllm.kv.parts import ValueParts
 
 __all__ = ["IDLE_WAIT_S", "KVSchedulerSide"]
 
@@ -48,6 +56,7 @@ class _Req:
     request: Any  # vllm.v1.request.Request: its block_hashes grow as tokens are appended
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     stored_values: int = 0  # leading values present in the store or already planned for saving
+    window_saved: int = 0  # window parts (split hybrid) planned below this value index
     had_saves: bool = False
     loading: dict[int, frozenset[int]] | None = None  # value index -> blocks an async load writes
 
@@ -60,7 +69,8 @@ class KVSchedulerSide:
     ``sync_loads`` makes loads synchronous in vLLM's sense: a request is scheduled on top of its hit at
     once, and the step that schedules it waits (on the workers) for its values before the forward.
     ``events`` (vLLM's KV events on): planned values are snapshotted there and published once the workers
-    confirm them (:mod:`asyncconn.vllm.kv.events`).
+    confirm them (:mod:`asyncconn.vllm.kv.events`). ``parts``: how a value is split (default: one part,
+    every layer, under ``keys``).
     """
 
     def __init__(
@@ -72,8 +82,10 @@ class KVSchedulerSide:
         sync_lookup: bool = False,
         sync_loads: bool = False,
         events: KVEvents | None = None,
+        parts: ValueParts | None = None,
     ) -> None:
         self.keys = keys
+        self.parts = parts if parts is not None else ValueParts.single(keys)
         self.events = events
         self._events_dropped = 0  # ``events.dropped`` at the last stats()
         self.lookup = lookup
@@ -82,6 +94,7 @@ class KVSchedulerSide:
         self.sync_loads = sync_loads
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}  # request id -> values present, answered and not yet allocated
+        self._probes: dict[str, int] = {}  # request id -> the hit whose window parts are being asked about
         self._local: dict[str, int] = {}  # request id -> values in vLLM's own prefix cache, until allocated
         self._loads: list[LoadSpec] = []  # planned since the last build_connector_meta
         self._via_recv: set[str] = set()  # finished while loading, since the last build_connector_meta
@@ -115,10 +128,9 @@ class KVSchedulerSide:
             return 0, False  # the local prefix cache already covers everything the store could add
         hit = self._hits.get(rid)
         if hit is None:
-            answer = self._ask(rid, hashes[:usable])
-            if answer is None:
+            hit = self._search(rid, hashes, usable)
+            if hit is None:
                 return None, False
-            hit = min(answer // self.keys.keys_per_value, usable)
             self._hits[rid] = hit
             self._stats.add("lookups")
             if hit:
@@ -129,12 +141,44 @@ class KVSchedulerSide:
             return 0, False
         return hit_tokens - num_computed_tokens, not self.sync_loads
 
-    def _ask(self, rid: str, value_hashes: list[bytes]) -> int | None:
+    def _search(self, rid: str, hashes: list[bytes], usable: int) -> int | None:
+        """The values a hit covers (None: a question is in flight). One part: the leading values present.
+        Split (see the module docstring): the longest ``n`` with every whole part below it and the window
+        parts ``n`` needs."""
+        parts = self.parts
+        if parts.window is None:
+            answer = self._ask(rid, self.keys, hashes[:usable])
+            return None if answer is None else min(answer // self.keys.keys_per_value, usable)
+        n = self._probes.get(rid)
+        if n is None:
+            if parts.whole is None:
+                n = usable
+            else:
+                whole = parts.keys[parts.whole]
+                answer = self._ask(rid, whole, hashes[:usable])
+                if answer is None:
+                    return None
+                n = min(answer // whole.keys_per_value, usable)
+        window = parts.keys[parts.window]
+        while n > 0:
+            need = hashes[parts.first_window_value(n) : n][::-1]  # newest first: a miss names the latest
+            answer = self._ask(rid, window, need)
+            if answer is None:
+                self._probes[rid] = n
+                return None
+            present = answer // window.keys_per_value
+            if present >= len(need):
+                break
+            n -= present + 1  # value n-1-present is missing: no hit above it can use its window
+        self._probes.pop(rid, None)
+        return n
+
+    def _ask(self, rid: str, space: KeySpace, value_hashes: list[bytes]) -> int | None:
         lookup = self.lookup
         assert lookup is not None
         if lookup.pending(rid):
             return lookup.poll(rid)
-        keys = self.keys.lookup_keys(value_hashes)
+        keys = space.lookup_keys(value_hashes)
         if self.sync_lookup:
             return lookup.lookup_sync(rid, keys)
         lookup.submit(rid, keys)
@@ -161,16 +205,20 @@ class KVSchedulerSide:
         end_block = hit * bpv
         first_block = end_block - num_external_tokens // block_size
         hashes = self.keys.value_hashes(request.block_hashes)
+        parts = self.parts
+        window_from = parts.first_window_value(hit)
         values: list[ValueRef] = []
+        loading: dict[int, frozenset[int]] = {}
         for v in range(first_block // bpv, hit):
             positions = tuple(j for j in range(bpv) if v * bpv + j >= first_block)
             ids = tuple(tuple(g[v * bpv + j] for j in positions) for g in groups)
-            values.append(ValueRef(hashes[v], positions, ids))
+            if parts.whole is not None:
+                values.append(ValueRef(hashes[v], positions, ids, parts.whole))
+            if parts.window is not None and v >= window_from:
+                values.append(ValueRef(hashes[v], positions, ids, parts.window))
+            loading[v] = frozenset(real_blocks(ids))
         if not self.sync_loads:  # a sync load ends with its step (``update_connector_output``)
-            first = first_block // bpv
-            state.loading = {
-                first + i: frozenset(real_blocks(ref.block_ids)) for i, ref in enumerate(values)
-            }
+            state.loading = loading
         self._loads.append(LoadSpec(rid, tuple(values), sync=self.sync_loads))
 
     # -- every step ------------------------------------------------------------------------------------
@@ -187,6 +235,7 @@ class KVSchedulerSide:
             self._forget(rid)
         for rid in preempted:
             self._hits.pop(rid, None)
+            self._probes.pop(rid, None)
             if self.lookup is not None:
                 self.lookup.discard(rid)
         step_tokens = int(getattr(so, "total_num_scheduled_tokens", -1))
@@ -240,30 +289,42 @@ class KVSchedulerSide:
             full = min(full, min(len(g) for g in state.block_ids) // bpv)
         if full <= state.stored_values:
             return
-        # A value with the null block in a windowed group (blocks vLLM freed, or never gave, outside the
-        # window) cannot be saved whole: it is skipped (a later request's hit stops before it).
-        planned = [
-            (v, ref)
-            for v, ref in (
-                (
-                    v,
-                    ValueRef(
-                        hashes[v],
-                        tuple(range(bpv)),
-                        tuple(tuple(g[v * bpv : (v + 1) * bpv]) for g in state.block_ids),
-                    ),
+        parts = self.parts
+        whole = tuple(range(bpv))
+        planned: list[tuple[int, ValueRef]] = []
+
+        def ids(v: int) -> tuple[tuple[int, ...], ...]:
+            return tuple(tuple(g[v * bpv : (v + 1) * bpv]) for g in state.block_ids)
+
+        if parts.window is None:
+            # One part of every layer: a value with the null block somewhere (a windowed group's, were one
+            # ever stored this way) cannot be saved whole, so it is skipped (a later hit stops before it).
+            for v in range(state.stored_values, full):
+                ref = ValueRef(hashes[v], whole, ids(v))
+                if not has_null(ref.block_ids):
+                    planned.append((v, ref))
+        else:
+            if parts.whole is not None:
+                planned.extend(
+                    (v, ValueRef(hashes[v], whole, ids(v), parts.whole))
+                    for v in range(state.stored_values, full)
                 )
-                for v in range(state.stored_values, full)
-            )
-            if not has_null(ref.block_ids)
-        ]
+            # The window parts inside the window at this cut; one holding a null block (freed before this
+            # step) is skipped: stored with zeros there, a hit at an earlier cut would read them.
+            for v in range(max(parts.first_window_value(full), state.window_saved), full):
+                ref = ValueRef(hashes[v], whole, ids(v), parts.window)
+                if not has_null(ref.block_ids):
+                    planned.append((v, ref))
+            state.window_saved = full
         state.stored_values = full
         if not planned:
             return
         state.had_saves = True
         meta.saves.append(SaveSpec(rid, tuple(ref for _, ref in planned)))
-        if self.events is not None:
-            self.events.planned(rid, state.request, [(v, ref.value_hash) for v, ref in planned])
+        if self.events is not None:  # a value is announced by its first part (its hash is its ident)
+            self.events.planned(
+                rid, state.request, [(v, ref.value_hash) for v, ref in planned if ref.part == 0]
+            )
 
     def update_connector_output(self, output: Any) -> None:
         """A received request's blocks are the scheduler's again; failed values are saved anew later.
@@ -325,6 +386,7 @@ class KVSchedulerSide:
     def _forget(self, rid: str) -> None:
         self._reqs.pop(rid, None)
         self._hits.pop(rid, None)
+        self._probes.pop(rid, None)
         self._local.pop(rid, None)
         if self.lookup is not None:
             self.lookup.discard(rid)
@@ -356,6 +418,7 @@ class KVSchedulerSide:
         out = {
             "requests": len(self._reqs),
             "hits": len(self._hits),
+            "probes": len(self._probes),
             "local_hits": len(self._local),
             "planned_loads": len(self._loads),
             "finished_via_recv": len(self._via_recv),
@@ -369,6 +432,7 @@ class KVSchedulerSide:
     def close(self) -> None:
         self._reqs.clear()
         self._hits.clear()
+        self._probes.clear()
         self._local.clear()
         self._loads.clear()
         self._via_recv.clear()

@@ -8,7 +8,9 @@ contract: a preempted request's blocks are reused by this very step), and then o
 A stored value holds ``blocks_per_value`` consecutive blocks of *every* layer, for this rank's heads (see
 :mod:`asyncconn.vllm.kv.layout`, which scatters and gathers them) -- or, on an MLA model, the latent rows
 every rank holds alike: then all ranks use rank 0's keys, only rank 0 saves, and every rank loads that one
-copy (:meth:`~asyncconn.vllm.kv.keys.KeySpace.saves_on`). One key per value and rank keeps lookups
+copy (:meth:`~asyncconn.vllm.kv.keys.KeySpace.saves_on`). On a hybrid model whose windowed groups are stored
+apart, a value is two parts (:mod:`asyncconn.vllm.kv.parts`), each with its own keys, layout, landing and
+save mode; ``ValueRef.part`` says which. One key per value and rank keeps lookups
 and round trips per token low (a per-layer key would multiply both by the layer count) and makes "present"
 mean "every layer present". What differs by device is chosen once, when the caches are registered: where a
 loaded value lands and how it reaches the blocks (:mod:`asyncconn.vllm.kv.loads`, and
@@ -55,7 +57,14 @@ from asyncconn.vllm.kv.groups import real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.layout import CacheLayout
 from asyncconn.vllm.kv.loads import Landing, landing_for
-from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats, ValueRef, worker_totals
+from asyncconn.vllm.kv.metadata import (
+    AsyncConnKVMetadata,
+    AsyncConnKVStats,
+    SaveSpec,
+    ValueRef,
+    worker_totals,
+)
+from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.saves import StepSaves, step_saves
 
 __all__ = ["KVWorkerSide"]
@@ -83,6 +92,7 @@ class _Fetch:
     owner: str | None = None
     owner_ref: ValueRef | None = None
     owner_dropped: bool = False
+    part: int = 0  # which part of the value (``ValueRef.part``): its landing
 
 
 @dataclass
@@ -115,6 +125,7 @@ class KVWorkerSide:
         preempt_timeout: float = 5.0,
         windowed: bool = False,
         events: SaveReports | None = None,
+        parts: ValueParts | None = None,
     ) -> None:
         if loader.device is saver.device:
             raise ConfigError(
@@ -128,6 +139,8 @@ class KVWorkerSide:
         self.runtime = runtime
         self.layers = layers
         self.group_of_layer = group_of_layer
+        # How a value is split (one part of ``layers`` unless given; a split part's layers are its keys').
+        self.parts = parts if parts is not None else ValueParts.single(keys)
         self.num_blocks = num_blocks
         self.rank = rank
         self.load_timeout = load_timeout
@@ -140,6 +153,9 @@ class KVWorkerSide:
         self.layout: CacheLayout | None = None
         self.landing: Landing | None = None
         self.saves: StepSaves | None = None
+        # The same per part of a value (index ``ValueRef.part``); the three above are part 0's.
+        self.landings: list[Landing] = []
+        self.part_saves: list[StepSaves] = []
         self._fetches: dict[str, _Fetch] = {}  # store key -> waiting targets
         self._req_loads: dict[str, _ReqLoad] = {}  # request id -> its load, until reported
         self._load_errors: set[int] = set()
@@ -170,12 +186,17 @@ class KVWorkerSide:
 
     # -- set-up ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = CacheLayout(
-            kv_caches, self.layers, self.group_of_layer, self.num_blocks, self.keys.blocks_per_value
-        )
-        self.layout = layout
-        self.landing = landing_for(layout, self.loader, self.store)
-        self.saves = step_saves(self.saver, layout, windowed=self.windowed)
+        parts = self.parts
+        part_layers = [list(k.identity.layers) for k in parts.keys] if parts.split else [self.layers]
+        layouts = [
+            CacheLayout(kv_caches, layers, self.group_of_layer, self.num_blocks, self.keys.blocks_per_value)
+            for layers in part_layers
+        ]
+        self.landings = [landing_for(layout, self.loader, self.store) for layout in layouts]
+        self.part_saves = [
+            step_saves(self.saver, layout, windowed=self.windowed, part=i) for i, layout in enumerate(layouts)
+        ]
+        self.layout, self.landing, self.saves = layouts[0], self.landings[0], self.part_saves[0]
 
     def set_rank(self, rank: int) -> None:
         """This worker's TP rank (vLLM's TP group when initialized; simulators set it here)."""
@@ -203,8 +224,8 @@ class KVWorkerSide:
         self._issued = meta
         if not meta.loads:
             return
-        landing = self.landing
-        assert landing is not None, "register_kv_caches was not called"
+        landings, spaces = self.landings, self.parts.keys
+        assert landings, "register_kv_caches was not called"
         now = time.monotonic()
         submit: list[tuple[str, TensorSpec | Scattered]] = []
         for spec in meta.loads:
@@ -212,11 +233,11 @@ class KVWorkerSide:
                 spec.request_id, _ReqLoad(now, now + self.load_timeout, sync=spec.sync)
             )
             for ref in spec.values:
-                key = self.keys.store_key(ref.value_hash, self.rank)
+                key = spaces[ref.part].store_key(ref.value_hash, self.rank)
                 fetch = self._fetches.get(key)
                 if fetch is None:
-                    fetch = self._fetches[key] = _Fetch()
-                    dest, into_blocks = landing.destination(ref)
+                    fetch = self._fetches[key] = _Fetch(part=ref.part)
+                    dest, into_blocks = landings[ref.part].destination(ref)
                     if into_blocks:
                         fetch.owner, fetch.owner_ref = spec.request_id, ref
                     submit.append((key, dest))
@@ -287,8 +308,8 @@ class KVWorkerSide:
         # Each value is delivered as it is handed over (the landing writes it out, or holds it for the end
         # of the poll: ``flush``).
         self.loader.poll(self._on_loaded)
-        if self.landing is not None:
-            self.landing.flush()
+        for landing in self.landings:
+            landing.flush()
         if self._req_loads:
             now = time.monotonic()
             for rid, load in self._req_loads.items():
@@ -324,13 +345,12 @@ class KVWorkerSide:
             owner = self._req_loads.get(fetch.owner or "")
             if owner is not None:
                 owner.remaining.discard(result.key)
-        landing = self.landing
-        assert landing is not None
+        landing = self.landings[fetch.part]
         retry = None if result.ok else landing.fallback(result)
         if retry is not None:  # e.g. an in-place read the store would have had to wait for: via staging
             self._stats.add("loads_not_in_memory")
             if fetch.targets:
-                self._fetches[result.key] = _Fetch(fetch.targets)
+                self._fetches[result.key] = _Fetch(fetch.targets, part=fetch.part)
                 self.loader.submit(result.key, retry)
             return
         value = result.tensor
@@ -354,7 +374,8 @@ class KVWorkerSide:
                 continue
             if ref is not fetch.owner_ref:  # the owner's value landed in its blocks already
                 landing.deliver(value, ref, fetch.owner_ref)
-            self._stats.add("tokens_loaded", len(ref.positions) * block_size)
+            if ref.part == 0:  # a value's tokens once, not once per part
+                self._stats.add("tokens_loaded", len(ref.positions) * block_size)
 
     def _drop_target(self, rid: str, key: str, failed: set[int] | None) -> None:
         """Detach a request from a fetch (cancelling the fetch when nobody else waits for it).
@@ -413,8 +434,8 @@ class KVWorkerSide:
             self._had_saves.update(spec.request_id for spec in specs)
             specs = []
         if specs:
-            assert self.saves is not None, "register_kv_caches was not called"
-            accepted, total = self.saves.submit(specs, self.keys, self.rank)
+            assert self.part_saves, "register_kv_caches was not called"
+            accepted, total = self._submit(specs)
             self._had_saves.update(accepted)
             now = time.monotonic()
             saved = 0
@@ -427,6 +448,26 @@ class KVWorkerSide:
             if saved < total:
                 self._stats.add("saves_skipped", total - saved)
         self.saver.flush()
+
+    def _submit(self, specs: list[SaveSpec]) -> tuple[dict[str, int], int]:
+        """Each part's values to that part's save mode; (accepted per request, offered) over all parts."""
+        if len(self.part_saves) == 1:
+            return self.part_saves[0].submit(specs, self.parts.keys[0], self.rank)
+        accepted: dict[str, int] = {}
+        total = 0
+        for part, saves in enumerate(self.part_saves):
+            mine = [
+                SaveSpec(spec.request_id, refs)
+                for spec in specs
+                if (refs := tuple(ref for ref in spec.values if ref.part == part))
+            ]
+            if not mine:
+                continue
+            got, offered = saves.submit(mine, self.parts.keys[part], self.rank)
+            total += offered
+            for rid, n in got.items():
+                accepted[rid] = accepted.get(rid, 0) + n
+        return accepted, total
 
     def handle_preemptions(self, meta: AsyncConnKVMetadata) -> None:
         """The preempted requests' blocks are reused by this step: wait (bounded by ``preempt_timeout``)
