@@ -11,6 +11,7 @@ from typing import Any
 
 from asyncconn._deprecated import renamed_attribute
 from asyncconn.store import Scattered
+from asyncconn.transfer import in_place  # noqa: F401  (registers the in-place loads with the loader)
 from asyncconn.transfer._device import (
     LOAD_PRIORITY,
     SAVE_PRIORITY,

@@ -25,10 +25,10 @@ A load moves through three states, each owned by one thread (docs/architecture.m
 Failures -- miss, corrupt, timeout, store error, too large, device error -- come back from ``poll()`` as
 :class:`LoadResult` values with a reason; no exception from the store ever reaches the worker thread.
 
-In-place loads (a :class:`~asyncconn.store.Scattered` destination, a host device only) skip state 1's
-buffer and state 3: the store reads the value straight into the caller's memory, the pieces in order, in
-groups with ``cached_only`` (nothing that could wait for a disk), and the result is reported as soon as the
-read has ended.
+Direct loads (a destination type registered in :mod:`asyncconn.transfer.direct`: the in-place loads of
+:mod:`asyncconn.transfer.in_place`) skip state 1's buffer and state 3: the store reads the value straight
+into the caller's memory, in groups that kind's :class:`~asyncconn.transfer.direct.DirectLoads` sizes and
+reads, and the result is reported as soon as the read has ended.
 
 Cancellation (``cancel(key)``) never frees a buffer that something may still write: a queued load is simply
 dropped; a fetching load's task is cancelled *on the loop* (a load in a group is only marked: its group's
@@ -50,14 +50,14 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from asyncconn._deprecated import renamed_method
 from asyncconn.exceptions import DuplicateTransfer, PoolTooSmall, RuntimeClosed, TransferError
 from asyncconn.runtime import Runtime, get_runtime
-from asyncconn.store import Fetch, Scattered, TensorStore
+from asyncconn.store import Fetch, TensorStore
 from asyncconn.transfer._device import (
     LOAD_PRIORITY,
     Event,
@@ -66,10 +66,11 @@ from asyncconn.transfer._device import (
     single_thread_torch,
 )
 from asyncconn.transfer.dest import TensorSpec
+from asyncconn.transfer.direct import DIRECT_LOADS, DirectLoads
 from asyncconn.transfer.failures import Failure, classify
 from asyncconn.transfer.pool import PinnedBuffer, PinnedPool
 
-__all__ = ["GROUP_BYTES", "IN_PLACE_GROUP_BYTES", "LoadResult", "StreamLoader"]
+__all__ = ["GROUP_BYTES", "LoadResult", "StreamLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,6 @@ _T = TypeVar("_T")
 #: Small enough that the first values land (and the worker copies them out) while later groups are read;
 #: large enough that a call's fixed cost is spread over several values.
 GROUP_BYTES = 4 << 20
-#: The most bytes one store call reads for in-place loads (``Scattered`` destinations); a batch's in-place
-#: loads are cut into as few groups of even size as this allows. Larger than ``GROUP_BYTES``: nothing waits
-#: to copy a value out of staging, so the first values landing early gains nothing, and each call is a
-#: hand-off between the loop and the store's threads, which on a small CPU engine were most of a prefix
-#: load's time (a 112 MiB prefix on 2 cores: two calls of 56 MiB beat seven of 16 MiB). ``file://`` shares
-#: one call's values among its read threads, so a whole prefix up to this size is one call.
-IN_PLACE_GROUP_BYTES = 256 << 20
 
 _QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
 
@@ -94,8 +88,8 @@ _QUEUED, _FETCHING, _COPYING, _DONE = "queued", "fetching", "copying", "done"
 class LoadResult:
     """One finished load: ``tensor`` is ready on the default stream, or ``failure`` says why there is none.
 
-    An in-place load (a ``Scattered`` destination) that succeeded has ``in_place`` set and no tensor: its
-    bytes are in the caller's memory.
+    A direct load (:mod:`asyncconn.transfer.direct`: an in-place load) that succeeded has ``in_place`` set
+    and no tensor: its bytes are in the caller's memory.
     """
 
     key: str
@@ -125,6 +119,7 @@ class _Load:
         "cancel_requested",
         "cancelled",
         "dest",
+        "direct",
         "event",
         "fetched",
         "key",
@@ -134,9 +129,10 @@ class _Load:
         "task",
     )
 
-    def __init__(self, key: str, dest: TensorSpec | Scattered) -> None:
+    def __init__(self, key: str, dest: Any, direct: DirectLoads | None) -> None:
         self.key = key
-        self.dest = dest
+        self.dest = dest  # a TensorSpec, or a destination ``direct`` loads
+        self.direct = direct
         self.state = _QUEUED
         self.buf: PinnedBuffer | None = None
         self.fetched: _Fetched | None = None  # written on the loop before the load is handed back
@@ -152,8 +148,8 @@ class StreamLoader:
     """Loads values from a :class:`TensorStore` onto the device without ever blocking the calling thread.
 
     All methods are called from one thread (vLLM's worker), which owns the device state. ``max_inflight``
-    bounds the store calls running on the loop at once (staged loads; in-place reads are memory copies and
-    are not held back); the pool bounds the staging bytes. ``rows``: on a device
+    bounds the store calls running on the loop at once (staged loads; direct reads are not held back); the
+    pool bounds the staging bytes. ``rows``: on a device
     that copies asynchronously, the values of one dtype and shape that one ``poll`` copies land as the rows
     of one device tensor (for a consumer that writes them on together and drops them together, like the KV
     connector; not for one that keeps some of them long -- a row keeps the whole tensor's memory).
@@ -182,6 +178,8 @@ class StreamLoader:
         self.max_inflight = max_inflight
         self.rows = rows and not self.device.synchronous
         self.on_corrupt = on_corrupt
+        # One per registered kind of direct destination (the in-place loads), by destination type.
+        self._direct: dict[type, DirectLoads] = {t: make(self) for t, make in DIRECT_LOADS.items()}
         self._loads: dict[str, _Load] = {}  # live (not cancelled, not reported) loads by key
         self._queued: collections.deque[_Load] = collections.deque()
         self._fetched: collections.deque[_Load] = collections.deque()  # appended on the loop thread
@@ -200,22 +198,21 @@ class StreamLoader:
         self.futures_pending = 0
         # Totals.
         self.loaded = 0
-        self.loaded_in_place = 0  # of ``loaded``: in-place loads
-        self.reads_in_place = 0  # in-place loads started, whatever their outcome
         self.loaded_bytes = 0
         self.cancelled = 0
         self.failures: collections.Counter[Failure] = collections.Counter()
 
     # -- public API ------------------------------------------------------------------------------------
-    def submit(self, key: str, dest: TensorSpec | Scattered) -> None:
+    def submit(self, key: str, dest: Any) -> None:
         """Start loading ``key`` into ``dest``; its result comes back from a later :meth:`poll`.
 
+        ``dest``: a :class:`TensorSpec`, or a direct destination (:mod:`asyncconn.transfer.direct`).
         Raises :class:`DuplicateTransfer` if ``key`` is already loading (cancel it first), and
         :class:`TransferError` after :meth:`close`. Store problems never raise here: they are poll results.
         """
         self.submit_many([(key, dest)])
 
-    def submit_many(self, items: Iterable[tuple[str, TensorSpec | Scattered]]) -> None:
+    def submit_many(self, items: Iterable[tuple[str, Any]]) -> None:
         """Submit several loads with one hand-off to the loop (one wake-up for a whole step's loads).
 
         All-or-nothing: every item is checked before any is queued.
@@ -227,15 +224,14 @@ class StreamLoader:
         for key, dest in items:
             if key in self._loads or key in keys:
                 raise DuplicateTransfer(f"{key!r} is already being loaded")
-            if isinstance(dest, Scattered):
-                if not self.device.synchronous:
-                    raise TransferError(
-                        "an in-place (Scattered) load needs a host device (the memory is the destination)"
-                    )
+            direct = self._direct.get(type(dest))
+            if direct is not None:
+                direct.check(dest)
             elif not isinstance(dest, TensorSpec):
-                raise TransferError(f"dest must be a TensorSpec or Scattered, not {type(dest).__name__}")
+                kinds = "".join(f" or {t.__name__}" for t in self._direct)
+                raise TransferError(f"dest must be a TensorSpec{kinds}, not {type(dest).__name__}")
             keys.add(key)
-            loads.append(_Load(key, dest))
+            loads.append(_Load(key, dest, direct))
         for load in loads:
             self._loads[load.key] = load
             self._queued.append(load)
@@ -260,8 +256,8 @@ class StreamLoader:
         lend = consume is not None and self.device.synchronous
         while self._fetched:
             load = self._fetched.popleft()
-            if isinstance(load.dest, Scattered):
-                self._landed_in_place(load, results)
+            if load.direct is not None:
+                self._landed_direct(load, load.direct, results)
             elif lend:
                 assert consume is not None
                 self._lend(load, results, consume)
@@ -306,11 +302,11 @@ class StreamLoader:
     def cancel(self, key: str) -> bool:
         """Abandon a load (an aborted request): nothing is reported for it. False if it was not in flight.
 
-        Also False for an in-place load already being read: the read writes the caller's memory
+        Also False for a direct (in-place) load already being read: the read writes the caller's memory
         until it ends, and the caller learns that it has ended from its result, which comes as usual.
         """
         load = self._loads.get(key)
-        if load is None or (isinstance(load.dest, Scattered) and load.state != _QUEUED):
+        if load is None or (load.direct is not None and load.state != _QUEUED):
             return False
         del self._loads[key]
         load.cancelled = True
@@ -362,8 +358,7 @@ class StreamLoader:
         """Running totals since start (they only grow): loads, bytes, cancels, failures by reason."""
         out = {
             "loaded": self.loaded,
-            "loaded_in_place": self.loaded_in_place,
-            "reads_in_place": self.reads_in_place,
+            **{name: n for direct in self._direct.values() for name, n in direct.totals().items()},
             "loaded_bytes": self.loaded_bytes,
             "cancelled": self.cancelled,
         }
@@ -398,13 +393,13 @@ class StreamLoader:
         started: list[_Load] = []
         while self._queued:
             load = self._queued[0]
-            if isinstance(load.dest, Scattered):
+            if load.direct is not None:
                 # The caller's memory: no staging buffer taken, and not bounded by ``max_inflight`` (which
-                # bounds the staging in use): each read is a memory copy (``cached_only``), and holding part
+                # bounds the staging in use): an in-place read is a memory copy, and holding part
                 # of a prefix back for a later poll only stretched the load.
                 self._queued.popleft()
                 self.futures_pending += 1
-                self.reads_in_place += 1
+                load.direct.started()
                 load.state = _FETCHING
                 started.append(load)
                 continue
@@ -493,9 +488,9 @@ class StreamLoader:
             self._copying.append(load)
         self.events_out += len(loads)
 
-    def _landed_in_place(self, load: _Load, results: list[LoadResult]) -> None:
+    def _landed_direct(self, load: _Load, direct: DirectLoads, results: list[LoadResult]) -> None:
         fetched, load.fetched = load.fetched, None
-        assert fetched is not None and isinstance(load.dest, Scattered)
+        assert fetched is not None
         self.futures_pending -= 1
         self._seen(load, fetched)
         if load.cancelled:
@@ -507,8 +502,8 @@ class StreamLoader:
         load.state = _DONE
         self._forget(load)
         self.loaded += 1
-        self.loaded_in_place += 1
-        self.loaded_bytes += load.dest.nbytes
+        direct.landed(load.dest)
+        self.loaded_bytes += direct.nbytes(load.dest)
         results.append(LoadResult(load.key, None, in_place=True))
 
     def _lend(self, load: _Load, results: list[LoadResult], consume: Callable[[LoadResult], object]) -> None:
@@ -583,15 +578,19 @@ class StreamLoader:
             self._slots = asyncio.Semaphore(self.max_inflight)
         tasks: list[asyncio.Task[None]] = []
         staged = _Groups(GROUP_BYTES)
-        in_place_bytes = sum(ld.dest.nbytes for ld in loads if isinstance(ld.dest, Scattered))
-        in_place = _Groups(_even_limit(in_place_bytes, IN_PLACE_GROUP_BYTES))  # apart: cached_only calls
+        direct_bytes: collections.Counter[DirectLoads] = collections.Counter()
+        for ld in loads:
+            if ld.direct is not None:
+                direct_bytes[ld.direct] += ld.direct.nbytes(ld.dest)
+        # Apart from the staged loads and from each other: one kind's own store calls.
+        direct = {d: _Groups(d.group_limit(total)) for d, total in direct_bytes.items()}
         for load in loads:
             if load.cancel_requested:  # cancelled before the loop got here: nothing was written
                 self._hand_back(load, _Fetched(Failure.STORE_ERROR, "cancelled"))
                 continue
             dest = load.dest
-            if isinstance(dest, Scattered):
-                full = in_place.add(load, dest.nbytes)
+            if load.direct is not None:
+                full = direct[load.direct].add(load, load.direct.nbytes(dest))
             elif self.store.batch_reads and dest.shape is not None and dest.dtype is not None:
                 full = staged.add(load, dest.staging_nbytes)
             else:
@@ -603,7 +602,7 @@ class StreamLoader:
                 continue
             if full:
                 tasks.append(self._start_group(full))
-        for groups in (staged, in_place):
+        for groups in (staged, *direct.values()):
             if groups.loads:
                 tasks.append(self._start_group(groups.loads))
         if not tasks:
@@ -626,17 +625,17 @@ class StreamLoader:
         return task
 
     async def _fetch_group(self, loads: list[_Load]) -> None:
-        items: list[tuple[str, torch.Tensor | Scattered]] = []
+        items: list[tuple[str, Any]] = []
         for load in loads:
             dest = load.dest
-            if isinstance(dest, Scattered):
+            if load.direct is not None:
                 items.append((load.key, dest))
                 continue
             assert load.buf is not None and dest.dtype is not None and dest.shape is not None
             items.append((load.key, load.buf.view(dest.dtype, dest.shape)))
-        cached_only = isinstance(loads[0].dest, Scattered)  # a group is all in place or all staged
-        if cached_only:  # memory copies into the caller's blocks: not held back by ``max_inflight``
-            statuses = await self._timed_call(loads, self.store.read_into_many(items, cached_only=True))
+        direct = loads[0].direct  # a group is all of one direct kind or all staged
+        if direct is not None:  # not held back by ``max_inflight``, which bounds the staging in use
+            statuses = await self._timed_call(loads, direct.read(items))
         else:
             async with self._call_slot():
                 statuses = await self._timed_call(loads, self.store.read_into_many(items))
@@ -759,17 +758,10 @@ def _copyable(load: _Load, like: _Load | None = None) -> bool:
     fetched = load.fetched
     if load.cancelled or fetched is None or fetched.failure is not None or fetched.dtype is None:
         return False
-    if isinstance(load.dest, Scattered):
+    if load.direct is not None:
         return False
     other = like.fetched if like is not None else None
     return other is None or (other.dtype == fetched.dtype and other.shape == fetched.shape)
-
-
-def _even_limit(total: int, most: int) -> int:
-    """The group size that cuts ``total`` bytes into as few groups of at most ``most`` as possible, evenly
-    (so the groups, read side by side on the store's threads, end together)."""
-    groups = max(-(-total // most), 1)
-    return max(-(-total // groups), 1)
 
 
 def _unlanded(task: asyncio.Task[None]) -> _Fetched | None:

@@ -1,18 +1,16 @@
 """SaveTracker: snapshot now, put later, report completion per request -- ``wait_for_save`` without the wait.
 
 ``submit(request_id, key, tensor)`` returns at once. It takes a staging buffer and stages the save; it does
-not touch the loop. Two ways to snapshot, chosen by the device:
+not touch the loop. Two ways to snapshot, chosen once when the tracker is built (a
+:class:`~asyncconn.transfer.savedevice.SaveDevice`, one module each):
 
-* **CUDA** (and a ``CpuDevice`` with ``copy_thread=False``): ``submit`` issues the copy -- on CUDA a D2H on
-  the tracker's side stream, ordered after an event recorded on the producing stream; on CPU a synchronous
-  copy. :meth:`SaveTracker.flush` notices fired events (``event.query()``) and hands the staged saves to the
-  loop in batches (one ``exists`` and one ``put`` per batch, one loop wake-up per batch). The loop never
-  waits on CUDA; the alternative -- the loop polling events on a timer -- would wake it for nothing most of
-  the time.
-* **CPU with a copy thread** (the default on CPU): the copies are the expensive part there, so ``submit``
-  only takes a staging buffer and queues the save, and ``flush`` posts the step's saves to the tracker's
-  :class:`CopyThread` as *one* job (:mod:`asyncconn.transfer.snapshot`), which copies, frames and submits
-  the put batches to the loop itself: the worker's ``flush`` is one queue put, no copy and no loop wake-up.
+* **CUDA** (and a ``CpuDevice`` with ``copy_thread=False``), :mod:`asyncconn.transfer.saves_events`:
+  ``submit`` issues the copy (on CUDA a D2H on the tracker's side stream); :meth:`SaveTracker.flush` hands
+  the saves whose event fired to the loop in batches (one ``exists`` and one ``put`` per batch, one loop
+  wake-up per batch). The loop never waits on CUDA.
+* **CPU with a copy thread** (the default on CPU), :mod:`asyncconn.transfer.saves_thread`: ``submit`` only
+  takes a staging buffer and queues the save, and ``flush`` posts the step's saves to the tracker's
+  :class:`CopyThread` as *one* job, which copies, frames and submits the put batches to the loop itself.
   ``wait_snapshots`` blocks until the copies reading given requests' sources are done (preemption: their
   blocks are about to be reused).
 
@@ -45,7 +43,9 @@ so once ``wait_snapshots`` returns nothing reads the memory behind them any more
 The parts, one job each:
 
 * this module -- :class:`SaveTracker`: the public API and the worker thread's bookkeeping (requests,
-  duplicates, staging buffers and the queue waiting for them, CUDA events, completion, ``close``);
+  duplicates, staging buffers and the queue waiting for them, put batches, completion, ``close``);
+* :mod:`asyncconn.transfer.saves_events` and :mod:`asyncconn.transfer.saves_thread` -- the two save modes
+  (:class:`~asyncconn.transfer.savedevice.SaveDevice`): CUDA events, or the copy thread's jobs;
 * :mod:`asyncconn.transfer.staging` -- :class:`~asyncconn.transfer.staging.Save`, one value on its way,
   and where its snapshot is staged (a buffer of its own or a slice of a shared span);
 * :mod:`asyncconn.transfer.snapshot` -- the copy thread's jobs (CPU): evaluate, copy, frame, start puts;
@@ -68,7 +68,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -84,12 +83,13 @@ from asyncconn.store import TensorStore
 from asyncconn.transfer._device import SAVE_PRIORITY, CpuDevice, TransferDevice, default_device
 from asyncconn.transfer.copythread import CopyThread
 from asyncconn.transfer.failures import Failure, RateLimitedLog, classify
-from asyncconn.transfer.lazy import LazyTensor, Pieces
+from asyncconn.transfer.lazy import LazyTensor
 from asyncconn.transfer.pool import PinnedPool
 from asyncconn.transfer.puts import Batch, Putter
-from asyncconn.transfer.runs import runs
-from asyncconn.transfer.snapshot import Copier, CopyJob, Group
-from asyncconn.transfer.staging import Save, Source, Span, aligned
+from asyncconn.transfer.savedevice import SaveDevice
+from asyncconn.transfer.saves_events import EventSaves
+from asyncconn.transfer.saves_thread import ThreadSaves
+from asyncconn.transfer.staging import Save, Source
 
 __all__ = ["SaveTracker", "ShutdownReport"]
 
@@ -168,29 +168,14 @@ class SaveTracker:
         on_cpu = isinstance(self.device, CpuDevice)
         if copy_thread and not on_cpu:
             raise TransferError("copy_thread is for CPU devices; CUDA snapshots run on the side stream")
-        self._thread = CopyThread("asyncconn-save-copy") if (on_cpu and copy_thread is not False) else None
-        if self._thread is not None:
-            self._thread.start()  # now, not in the first step's flush (starting a thread waits for it)
         # Appended by the loop (batches whose put ended) and the copy thread (jobs); drained here only.
-        self._done: collections.deque[Batch | CopyJob] = collections.deque()
+        self._done: collections.deque[object] = collections.deque()
         self._putter = Putter(
             self.store, self.runtime, skip_existing=skip_existing, hand_back=self._done.append
-        )
-        self._copier = (
-            Copier(self.device, self._putter, put_batch, self._done.append)
-            if self._thread is not None
-            else None
         )
         self._requests: dict[str, _Request] = {}
         self._finished: set[str] = set()  # all saves done, not reported yet
         self._queued: collections.deque[Save] = collections.deque()  # waiting for a staging buffer
-        self._copying: collections.deque[Save] = collections.deque()  # snapshot issued, event not fired
-        self._staged: list[Save] = []  # snapshot complete, not handed to the loop yet
-        # The next copy job (copy-thread path), the worker's until posted:
-        self._step: list[Save] = []  # buffer taken
-        self._groups: list[Group] = []  # submit_many's values, one shared buffer at hand-off
-        self._touch: list[tuple[str, LazyTensor]] = []  # lazy sources of queued saves
-        self._jobs: collections.deque[CopyJob] = collections.deque()  # posted, not reported back yet
         self._batches: set[Batch] = set()  # running on the loop
         self._recent: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self._inflight_keys: set[Hashable] = set()
@@ -210,11 +195,15 @@ class SaveTracker:
         self.skipped_existing = 0  # already in the store (exists before put)
         self.requests_failed = 0
         self.failures: collections.Counter[Failure] = collections.Counter()
+        # The save mode, chosen once (last: it binds to the bookkeeping above).
+        self._mode: SaveDevice = (
+            ThreadSaves(self) if (on_cpu and copy_thread is not False) else EventSaves(self)
+        )
 
     @property
     def copy_thread(self) -> CopyThread | None:
         """The tracker's copy thread (None on CUDA or when disabled): snapshots run there, asynchronously."""
-        return self._thread
+        return self._mode.copy_thread
 
     # -- public API ------------------------------------------------------------------------------------
     def submit(
@@ -232,17 +221,9 @@ class SaveTracker:
         ident = key if ident is None else ident
         if not self._admit(request_id, ident):
             return False
-        if self._thread is None:
-            if not isinstance(tensor, torch.Tensor):
-                tensor = tensor()
-            save = Save(request_id, key, tensor, self.device.mark())
-        else:
-            save = Save(request_id, key, tensor, None)
+        save = self._mode.new_save(request_id, key, tensor)
         save.ident = ident
-        if self._queued or not self._snapshot(save):
-            self._queued.append(save)
-            if self._thread is not None and not isinstance(tensor, torch.Tensor):
-                self._touch.append((request_id, tensor))
+        self._stage(save)
         return True
 
     def submit_many(
@@ -271,16 +252,29 @@ class SaveTracker:
             raise TransferError("SaveTracker is closed")
         if len(keys) != len(values):
             raise TransferError(f"submit_many: {len(keys)} keys for {len(values)} values")
-        if self._thread is None or not isinstance(values, Pieces):
-            accepted = 0
-            for key, value in zip(keys, values, strict=True):
-                if name is None:
-                    accepted += self.submit(request_id, cast(str, key), value)
-                else:  # known by the identity, as the group path knows it
-                    accepted += self.submit(request_id, name(key), value, ident=key)
-            return accepted
+        return self._mode.submit_many(request_id, keys, values, name)
+
+    def _submit_each(
+        self,
+        request_id: str,
+        keys: Sequence[Hashable],
+        values: Sequence[Source],
+        name: Callable[[Any], str] | None,
+    ) -> int:
+        """:meth:`submit_many` as one :meth:`submit` per value."""
+        accepted = 0
+        for key, value in zip(keys, values, strict=True):
+            if name is None:
+                accepted += self.submit(request_id, cast(str, key), value)
+            else:  # known by the identity, as the group path knows it
+                accepted += self.submit(request_id, name(key), value, ident=key)
+        return accepted
+
+    def _admit_many(self, request_id: str, keys: Sequence[Hashable]) -> list[int]:
+        """:meth:`_admit` of each of ``keys`` for one request (duplicates within ``keys`` skipped too);
+        returns the indexes admitted."""
         if not keys:
-            return 0
+            return []
         request = self._requests.get(request_id)
         if request is None:
             request = self._requests[request_id] = _Request()
@@ -295,16 +289,10 @@ class SaveTracker:
         if not taken:
             if request.pending == 0:
                 self._finished.add(request_id)
-            return 0
+            return taken
         self._finished.discard(request_id)
         request.pending += len(taken)
-        group = Group(request_id, keys, name, taken, values, aligned(values.nbytes))
-        if self._queued:  # saves are waiting for buffers already: these queue behind them, one by one
-            for save in group.expand():
-                self._stage_one(save)
-            return len(taken)
-        self._groups.append(group)
-        return len(taken)
+        return taken
 
     def submit_stacked(
         self,
@@ -338,42 +326,13 @@ class SaveTracker:
             if ident not in seen and not self._known(ident):
                 taken.append(i)
             seen.add(ident)
-        nbytes = stacked[0].numel() * stacked.element_size() if len(items) else 0
-        stride = aligned(nbytes)
-        buf = None
-        if taken and self._thread is None and not self._queued:
-            with contextlib.suppress(PoolTooSmall):  # one by one below: each value may still fit
-                buf = self.pool.acquire(stride * len(taken))
-        if buf is None:
-            return [
-                i for i, (rid, key) in enumerate(items) if self.submit(rid, key, stacked[i], ident=idents[i])
-            ]
-        self.buffers_out += 1
-        span = Span(buf, len(taken))
-        producer = self.device.mark()
-        saves: list[Save] = []
-        for i, (rid, key) in enumerate(items):
-            if not self._admit(rid, idents[i]):  # the rows of ``taken``: the same test, in the same order
-                continue
-            save = Save(rid, key, stacked[i], None)
-            save.ident = idents[i]
-            save.source = None
-            save.span, save.offset = span, len(saves) * stride
-            saves.append(save)
-        try:
-            event = self.device.copy(_span_pairs(buf.storage, stacked, taken, stride), after=producer)
-        except RuntimeError as exc:  # torch refused the copy (device error)
-            for save in saves:
-                self._complete(save, Failure.DEVICE_ERROR, f"{type(exc).__name__}: {exc}")
-            return taken
-        if not self._copying and event.query():
-            self._staged.extend(saves)
-            return taken
-        for save in saves:
-            save.event = event
-        self.events_out += len(saves)
-        self._copying.extend(saves)
-        return taken
+        return self._mode.submit_stacked(items, stacked, idents, taken)
+
+    def _submit_rows(
+        self, items: Sequence[tuple[str, str]], stacked: torch.Tensor, idents: Sequence[Hashable]
+    ) -> list[int]:
+        """:meth:`submit_stacked` as one :meth:`submit` per row."""
+        return [i for i, (rid, key) in enumerate(items) if self.submit(rid, key, stacked[i], ident=idents[i])]
 
     def _known(self, key: Hashable) -> bool:
         """``key`` is being saved now or was saved recently: another save of it is a duplicate."""
@@ -430,16 +389,14 @@ class SaveTracker:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            jobs = [j for j in self._jobs if j.reads(wanted)]
-            if jobs:  # jobs run in order: the last one done means all of them are
-                jobs[-1].wait(min(remaining, 0.05))
+            if self._mode.wait_copies(wanted, min(remaining, 0.05)):
                 continue
             futures = [
                 b.future
                 for b in self._batches
                 if b.future is not None and any(s.request_id in wanted for s in b.saves)
             ]
-            others = any(s.request_id in wanted for s in (*self._queued, *self._copying))
+            others = any(s.request_id in wanted for s in self._queued) or self._mode.copying(wanted)
             if futures and not others:
                 concurrent.futures.wait(futures, min(remaining, 0.05), concurrent.futures.FIRST_COMPLETED)
             else:
@@ -456,18 +413,7 @@ class SaveTracker:
         thread a CPU snapshot happened in ``submit`` and a CUDA one is followed through its event, queued
         saves included.
         """
-        wanted = set(request_ids)
-        deadline = time.monotonic() + timeout
-        if self._thread is not None:
-            self._handoff()  # post the step's copies, if flush() has not yet
-            jobs = [j for j in self._jobs if j.reads(wanted)]
-            return not jobs or jobs[-1].wait(deadline - time.monotonic())
-        while any(s.request_id in wanted for s in (*self._queued, *self._copying)):
-            if time.monotonic() >= deadline:
-                return False
-            self._progress()
-            time.sleep(0.0005)
-        return True
+        return self._mode.wait_snapshots(set(request_ids), time.monotonic() + timeout)
 
     def held(self) -> dict[str, int]:
         """Resources and state held right now (gauges); all 0 once every request is reported."""
@@ -477,7 +423,7 @@ class SaveTracker:
             "buffers_out": self.buffers_out,
             "events_out": self.events_out,
             "futures_pending": self.futures_pending,
-            "copy_jobs": len(self._jobs),
+            "copy_jobs": self._mode.copy_jobs,
             "inflight_keys": len(self._inflight_keys),
         }
 
@@ -513,13 +459,11 @@ class SaveTracker:
         self.wait(list(self._requests), timeout)
         self._progress()
         report = ShutdownReport(in_flight, sum(request.pending for request in self._requests.values()))
-        if self._copier is not None:
-            self._copier.cancelling = True  # read by the copy thread: start no more puts
+        self._mode.cancel()
         deadline = time.monotonic() + timeout
         for save in self._queued:
             self._complete(save, Failure.STORE_ERROR, "tracker closed before the save started")
         self._queued.clear()
-        self._touch.clear()
         cancelled: set[Batch] = set()
         while True:
             self._progress()
@@ -527,14 +471,14 @@ class SaveTracker:
                 cancelled.add(batch)
                 with contextlib.suppress(RuntimeClosed):
                     self._putter.cancel(batch)
-            if not (self.futures_pending or self.events_out or self._jobs):
+            if not (self.futures_pending or self.events_out or self._mode.copy_jobs):
                 break
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.001)
         self._finished.clear()
         self._requests.clear()
-        if self._thread is not None and not self._thread.close(max(deadline - time.monotonic(), 0.1)):
+        if not self._mode.close(max(deadline - time.monotonic(), 0.1)):
             log.warning("SaveTracker.close: the copy thread is still running a job")
         if self.buffers_out:
             log.warning(
@@ -546,29 +490,22 @@ class SaveTracker:
     def _progress(self) -> None:
         while self._done:
             item = self._done.popleft()
-            if isinstance(item, CopyJob):
-                self._on_job_done(item)
-            else:
+            if isinstance(item, Batch):
                 self._on_batch_done(item)
+            else:
+                self._mode.job_done(item)
         while self._queued and self._snapshot(self._queued[0]):
             self._queued.popleft()  # buffers returned by finished batches: snapshot the queued saves
         self._handoff()
 
     def _handoff(self) -> None:
-        if self._thread is not None:
-            if self._groups:
-                self._stage_groups()
-            if self._step or self._touch or self._groups:
-                self._post_job()
-            return
-        while self._copying and self._copying[0].event is not None and self._copying[0].event.query():
-            save = self._copying.popleft()
-            self.events_out -= 1
-            save.event = None
-            self._staged.append(save)
-        staged, self._staged = self._staged, []
-        for start in range(0, len(staged), self.put_batch):
-            self._start_batch(staged[start : start + self.put_batch])
+        self._mode.handoff()
+
+    def _stage(self, save: Save) -> None:
+        """A staging buffer for ``save`` now, else the queue (behind the saves queued already)."""
+        if self._queued or not self._snapshot(save):
+            self._queued.append(save)
+            self._mode.waiting(save)
 
     def _snapshot(self, save: Save) -> bool:
         """Take a staging buffer and copy (or stage the copy); False when no buffer is free now."""
@@ -581,90 +518,8 @@ class SaveTracker:
             return False
         save.buf = buf
         self.buffers_out += 1
-        if self._thread is not None:
-            self._step.append(save)  # copied by the next job
-            return True
-        tensor = save.source
-        assert isinstance(tensor, torch.Tensor)
-        try:
-            save.event = self.device.copy([(save.staging(), tensor)], after=save.producer)
-        except RuntimeError as exc:  # torch refused the copy (device error)
-            self._complete(save, Failure.DEVICE_ERROR, f"{type(exc).__name__}: {exc}")
-            return True
-        save.source = None
-        save.producer = None
-        self.events_out += 1
-        if not self._copying and save.event.query():
-            self.events_out -= 1
-            save.event = None
-            self._staged.append(save)
-        else:
-            self._copying.append(save)
+        self._mode.snapshot(save)
         return True
-
-    def _stage_groups(self) -> None:
-        """With a copy thread, at hand-off: give the step's ``submit_many`` values *one* staging buffer (one
-        pool acquire per step, each value a slice of it). When the pool cannot give that buffer now (or
-        saves are queued already), the values become saves here, staged one by one as :meth:`submit` does."""
-        groups = self._groups
-        total = count = 0
-        for group in groups:
-            group.offset = total
-            total += group.nbytes * len(group.taken)
-            count += len(group.taken)
-        try:
-            # lazy: a fresh span is allocated by the copy thread, its only user, not on vLLM's thread
-            buf = self.pool.acquire(total, lazy=True) if not self._queued else None
-        except PoolTooSmall:
-            buf = None  # one by one, each value may still fit (or fail TOO_LARGE alone)
-        if buf is not None:
-            self.buffers_out += 1
-            span = Span(buf, count)
-            for group in groups:
-                group.span = span
-            return  # posted with the job: the copy thread makes their saves
-        self._groups = []
-        for group in groups:
-            for save in group.expand():
-                self._stage_one(save)
-
-    def _stage_one(self, save: Save) -> None:
-        """With a copy thread: a buffer of its own for ``save`` now, else the queue (its lazy source is
-        evaluated by the step's job all the same)."""
-        if self._queued or not self._snapshot(save):
-            self._queued.append(save)
-            source = save.source
-            if isinstance(source, Pieces):
-                self._touch.append((save.request_id, source[save.index]))
-            elif source is not None and not isinstance(source, torch.Tensor):
-                self._touch.append((save.request_id, source))
-
-    def _post_job(self) -> None:
-        assert self._thread is not None and self._copier is not None
-        job = CopyJob(self._step, self._touch, self._groups)
-        self._step, self._touch, self._groups = [], [], []
-        try:
-            self._thread.post(functools.partial(self._copier.run, job))
-        except TransferError as exc:  # the copy thread is closed: only after close()
-            for save in job.all_saves():
-                self._complete(save, Failure.DEVICE_ERROR, str(exc))
-            return
-        self._jobs.append(job)
-
-    def _on_job_done(self, job: CopyJob) -> None:
-        first = self._jobs.popleft()
-        assert first is job, "copy jobs are reported in the order they were posted"
-        for save, detail in job.failed:
-            self._complete(save, Failure.DEVICE_ERROR, detail)
-        for batch in job.batches:
-            if batch.error is not None:
-                reason, detail = batch.error
-                for save in batch.saves:
-                    self._complete(save, reason, detail, quiet=True)
-                self._log_failed(reason, len(batch.saves), detail)
-            else:
-                self.futures_pending += 1
-                self._batches.add(batch)
 
     def _start_batch(self, saves: list[Save]) -> None:
         batch = Batch(saves)
@@ -770,20 +625,3 @@ class SaveTracker:
         self._recent.move_to_end(key)
         while len(self._recent) > self.recent_keys:
             self._recent.popitem(last=False)
-
-
-def _span_pairs(
-    storage: torch.Tensor, stacked: torch.Tensor, rows: list[int], stride: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copy pairs putting ``stacked[rows]`` one after another into ``storage`` (uint8), ``stride`` bytes
-    apart: one pair per run of consecutive rows when the rows are packed with no padding, else one per row."""
-    row_bytes = stacked[0].numel() * stacked.element_size()
-    shape, dtype = tuple(stacked.shape[1:]), stacked.dtype
-    row_runs = runs(rows) if stride == row_bytes else [(row, 1) for row in rows]
-    pairs = []
-    offset = 0
-    for first, count in row_runs:
-        dst = storage[offset : offset + count * row_bytes].view(dtype).view(count, *shape)
-        pairs.append((dst, stacked[first : first + count]))
-        offset += count * stride
-    return pairs

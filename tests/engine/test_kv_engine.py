@@ -112,9 +112,9 @@ def test_a_fresh_engine_loads_the_shared_prefixes_byte_for_byte(
     loader = probe.kv_worker_connector().worker_side.loader
     assert loader.loaded > 0
     if "file://" in store_config["backend_url"]:
-        assert loader.loaded_in_place > 0
+        assert loader.totals()["loaded_in_place"] > 0
     else:
-        assert loader.loaded_in_place == 0
+        assert loader.totals()["loaded_in_place"] == 0
     # Run again, every prompt is in vLLM's own prefix cache (loaded from the store, or computed and saved by
     # this engine): nothing is saved again, not even as far as the store's "exists" check.
     saver = probe.kv_worker_connector().worker_side.saver

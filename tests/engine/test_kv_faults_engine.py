@@ -209,7 +209,7 @@ def test_an_abort_while_a_read_writes_the_blocks_in_place_holds_them_until_the_r
     finally:
         release.set()
     step_until(probe, lambda: not internal_ids(probe, "held"), "the aborted request to be released")
-    assert held and worker.loader.reads_in_place > 0
+    assert held and worker.loader.totals()["reads_in_place"] > 0
     assert_idle(probe)
     assert generate(llm, PROMPTS) == kv_reference["tokens"]
     for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
@@ -243,7 +243,7 @@ def test_corrupt_stored_values_are_recomputed(
     loader = probe.kv_worker_connector().worker_side.loader
     assert loader.failures, "no load failed on a corrupt value"
     # The damaged values were read in place, straight into the blocks vLLM then recomputed (compared above).
-    assert loader.reads_in_place > 0
+    assert loader.totals()["reads_in_place"] > 0
     assert_idle(probe)
     close_llm(llm)
     engines.remove(llm)

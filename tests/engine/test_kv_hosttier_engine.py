@@ -40,7 +40,7 @@ def test_a_prefix_evicted_from_vllm_is_loaded_from_the_host_tier(
     assert generate(llm, PROMPTS) == kv_reference["tokens"]
     assert_idle(probe)
     loader = worker.loader
-    assert loader.loaded > 0 and loader.loaded_in_place > 0 and not loader.failures
+    assert loader.loaded > 0 and loader.totals()["loaded_in_place"] > 0 and not loader.failures
     assert tier.stats.hits == loader.loaded and tier.stats.misses == 0
     assert probe.metrics()["vllm:external_prefix_cache_hits"] > 0
     for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):

@@ -21,6 +21,7 @@ from asyncconn.exceptions import InvalidInput, TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, Failure, PinnedPool, Scattered, StreamLoader, TensorSpec
+from asyncconn.transfer import in_place as in_place_module
 from asyncconn.transfer import loader as loader_module
 from tests.transfer.fakes import GatedBatchBackend
 from tests.transfer.helpers import drain_loads, wait_until
@@ -214,8 +215,8 @@ def test_a_batch_of_in_place_loads_is_read_in_as_few_even_groups_as_the_bound_al
         return real(self, reads, cached_only)  # type: ignore[arg-type]
 
     monkeypatch.setattr(type(file_store.backend), "_read_many", recording)
-    for bound, sizes in ((4 * VALUE_BYTES, [4, 4, 2]), (loader_module.IN_PLACE_GROUP_BYTES, [10])):
-        monkeypatch.setattr(loader_module, "IN_PLACE_GROUP_BYTES", bound)
+    for bound, sizes in ((4 * VALUE_BYTES, [4, 4, 2]), (in_place_module.IN_PLACE_GROUP_BYTES, [10])):
+        monkeypatch.setattr(in_place_module, "IN_PLACE_GROUP_BYTES", bound)
         calls.clear()
         loader = make_loader(file_store, runtime)
         rows = {k: [torch.zeros(SHAPE)] for k in values}
@@ -307,3 +308,23 @@ def test_in_place_needs_a_host_device(runtime: Runtime, file_store: TensorStore)
         loader.submit("a", _in_place([torch.zeros(SHAPE)], SHAPE))
     with pytest.raises(InvalidInput):
         Scattered(torch.float32, (2, 256), (codec.tensor_bytes(torch.zeros(SHAPE)),))
+
+
+def test_without_the_in_place_registration_staged_loads_work_and_a_scattered_dest_is_refused(
+    runtime: Runtime, file_store: TensorStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The in-place loads are a plug-in (``asyncconn.transfer.direct``): a loader built with none registered
+    -- as if ``asyncconn/transfer/in_place.py`` were deleted -- still loads staged values, has no in-place
+    totals, and refuses a Scattered destination as an unknown one."""
+    monkeypatch.setattr(loader_module, "DIRECT_LOADS", {})
+    values = {f"p{i}": value(i) for i in range(4)}
+    runtime.run(file_store.put(values.items()))
+    loader = make_loader(file_store, runtime)
+    with pytest.raises(TransferError, match="dest must be a TensorSpec, not Scattered"):
+        loader.submit("p0", _in_place([torch.zeros(SHAPE)], SHAPE))
+    loader.submit_many((k, TensorSpec(SHAPE, torch.float32)) for k in values)
+    results = drain_loads(loader, len(values))
+    assert all(r.ok and not r.in_place for r in results.values())
+    assert all(torch.equal(results[k].tensor, v) for k, v in values.items())
+    assert "loaded_in_place" not in loader.totals() and loader.totals()["loaded"] == len(values)
+    assert_idle(loader)
