@@ -122,6 +122,11 @@ def make_llm(
     if "Blip2" in (Path(model) / "config.json").read_text():
         kwargs["limit_mm_per_prompt"] = {"image": 1}
     kwargs.update(overrides)
+    # vLLM's engine start runs full collections (its model loader, then freeze_gc_heap, which freezes the
+    # heap once the engine is up). Freezing first keeps them off what was already there (torch, vLLM, a
+    # test session's modules), which they can only traverse: the engine's shutdown unfreezes everything,
+    # so what this freezes is collectable again once the engine is closed.
+    gc.freeze()
     return LLM(**kwargs)
 
 
