@@ -534,9 +534,12 @@ class KVWorkerSide:
                 if not load.aborted:
                     self._load_errors |= load.failed_blocks
                     self._stats.observe("load_latency", time.monotonic() - load.t0)
+        # ``pending`` moves the tracker on (it may finish saves); ``poll`` comes after it, so that every
+        # request found done here is also forgotten by the tracker now, not on a next step that an idle
+        # engine never takes.
+        sending = {rid for rid in self._finishing if not self.saver.pending(rid)}
         for rid in self.saver.poll():
             self._observe_save(rid)
-        sending = {rid for rid in self._finishing if not self.saver.pending(rid)}
         self._finishing -= sending
         for rid in sending:
             self._save_t0.pop(rid, None)

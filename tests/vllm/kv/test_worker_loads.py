@@ -557,3 +557,43 @@ def test_a_windowed_models_saves_are_gathered_before_save_returns(
     assert all(g is not None and torch.equal(g, w) for g, w in zip(got, want, strict=True))
     worker.close()
     assert not any(worker.held().values()), worker.held()
+
+
+class _SavesEndingLate:
+    """A save tracker whose last save of ``rid`` completes while the worker asks ``pending`` (the tracker
+    moves on in every call): what a real tracker does when a put lands between two of its calls."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.calls: list[str] = []
+        self.finished: set[str] = set()
+        self.requests = {rid}
+
+    def pending(self, rid: str) -> int:
+        self.calls.append("pending")
+        if rid in self.requests:
+            self.finished.add(rid)  # the last put lands now
+        return 0
+
+    def poll(self) -> set[str]:
+        self.calls.append("poll")
+        done, self.finished = self.finished, set()
+        self.requests -= done
+        return done
+
+
+def test_a_request_reported_saved_is_forgotten_by_the_tracker_in_the_same_step(runtime: Runtime) -> None:
+    """A request is reported in ``finished_sending`` only once the tracker has forgotten it too: an idle
+    engine takes no further step in which a later ``poll`` would."""
+    worker, _, _ = _worker(runtime, 1)
+    real = worker.saver
+    try:
+        late = _SavesEndingLate("r")
+        worker.saver = late  # type: ignore[assignment]
+        worker._finishing.add("r")
+        sending, _ = worker.get_finished(set())
+        assert sending == {"r"}
+        assert late.requests == set(), late.calls
+    finally:
+        worker.saver = real
+        worker.close()
