@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
-from tests.engine.kvcase import assert_idle, generate
+from tests.engine.kvcase import assert_idle, generate, sampling
 
 pytestmark = pytest.mark.vllm
 
@@ -216,6 +216,109 @@ def test_the_window_is_stored_only_at_the_cut_and_a_shorter_prefix_hits_only_whe
     assert probe.metrics()["vllm:external_prefix_cache_hits"] == 5 * BLOCK_SIZE
     assert all(not cache[0].any() for cache in probe.kv_caches().values())
     assert_idle(probe)
+
+
+# -- load failures: reported per request, never as block ids -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "policy"),
+    [("corrupt", "recompute"), ("deleted", "recompute"), ("corrupt", "fail")],
+    ids=["corrupt", "deleted-after-lookup", "corrupt-policy-fail"],
+)
+def test_a_failed_load_on_a_hybrid_model_is_reported_per_request_not_as_block_ids(
+    hybrid_model: Path,
+    hybrid_reference: dict[str, Any],
+    engines: list[Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+    policy: str,
+) -> None:
+    """Engine 1 saves; one value PROMPTS[0] loads (its third block's full-attention part) is then damaged:
+    one bit flipped, or deleted after the lookup found it (as an eviction or a TTL would). vLLM 0.32 stops
+    its engine with a RuntimeError when a connector reports block ids on a model with several KV cache
+    groups; a fresh engine 2 instead gets the request in ``failed_recving`` (and no block id). With
+    ``kv_load_failure_policy: recompute`` it computes the prompt: tokens and full-attention KV equal a
+    connector-less engine's; with ``fail`` the request ends with an error. Either way the engine serves the
+    other prompts afterwards, and the connector holds nothing at the end."""
+    from urllib.parse import quote
+
+    store = tmp_path / "store"
+    url = f"file://{store}"
+    first = make_llm(hybrid_model, kv=kv_config(backend_url=url))
+    engines.append(first)
+    probe = Probe(first)
+    generate(first, [PROMPTS[0]])
+    assert_idle(probe)
+    whole = probe.kv_worker_connector().worker_side.parts.keys[0]
+    key = whole.store_key(bytes(probe.block_hashes(PROMPTS[0])[2]), 0)
+    close_llm(first)
+    engines.remove(first)
+    (path,) = store.rglob(quote(key, safe=""))
+    if fault == "corrupt":
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x01  # one bit of the payload
+        path.write_bytes(bytes(data))
+
+    kv = kv_config(backend_url=url)
+    kv.kv_load_failure_policy = policy
+    second = make_llm(hybrid_model, kv=kv)
+    engines.append(second)
+    probe = Probe(second)
+    connector = probe.kv_worker_connector()
+    worker = connector.worker_side
+    failed: set[str] = set()
+    invalid: set[int] = set()
+    results, errors = connector.get_transfer_results, connector.get_block_ids_with_load_errors
+
+    def recorded_results(finished: set[str]) -> Any:
+        out = results(finished)
+        failed.update(out.failed_recving)
+        assert out.failed_recving <= out.finished_recving  # vLLM's rule: a failed receive is a finished one
+        return out
+
+    def recorded_errors() -> set[int]:
+        out = errors()
+        invalid.update(out)
+        return out
+
+    monkeypatch.setattr(connector, "get_transfer_results", recorded_results)
+    monkeypatch.setattr(connector, "get_block_ids_with_load_errors", recorded_errors)
+    if fault == "deleted":
+        issue = worker.issue_loads
+
+        def issue_after_deleting(meta: Any) -> Any:
+            if meta.loads and path.exists():
+                path.unlink()  # the lookup found it; the read will not
+            return issue(meta)
+
+        monkeypatch.setattr(worker, "issue_loads", issue_after_deleting)
+
+    (out,) = second.generate([{"prompt_token_ids": PROMPTS[0]}], sampling())
+    assert worker.loader.failures, "no load failed"
+    assert len(failed) == 1 and not invalid, (failed, invalid)
+    if policy == "recompute":
+        assert list(out.outputs[0].token_ids) == hybrid_reference["tokens"][0]
+        got = probe.prompt_kv_by_group(PROMPTS[0])
+        for b in range(FULL_BLOCKS):
+            for kind, names in hybrid_reference["groups"]:
+                for name in names if kind == "FullAttentionSpec" else ():
+                    g, w = got[b][name], hybrid_reference["kv"][0][b][name]
+                    assert g is not None and w is not None and torch.equal(g, w), (b, name)
+    else:
+        assert out.outputs[0].finish_reason == "error", out.outputs[0]
+    assert generate(second, PROMPTS[1:]) == hybrid_reference["tokens"][1:]
+    assert all(not cache[0].any() for cache in probe.kv_caches().values())
+    assert_idle(probe)
+
+
+def test_sync_loads_are_refused_at_start_up_on_a_hybrid_model(gemma2_model: Path, tmp_path: Path) -> None:
+    """vLLM 0.32 has no report for a failed sync load with several KV cache groups: the engine does not
+    start, and the error names the setting and what to do."""
+    with pytest.raises(Exception, match="kv_sync_loads") as info:
+        make_llm(gemma2_model, kv=kv_config(backend_url=f"file://{tmp_path}", kv_sync_loads=True))
+    assert "--disable-hybrid-kv-cache-manager" in str(info.value)
 
 
 # -- preemption ----------------------------------------------------------------------------------------
