@@ -14,6 +14,8 @@ Hybrid allocator (``SupportsHMA``): full-attention, MLA, sliding-window and chun
 size are accepted; each value carries every layer's blocks at its group's ids, and a windowed group is
 skipped where vLLM gave it the null block (:mod:`asyncconn.vllm.kv.groups`). Mamba and other group kinds
 are refused at start-up with a message saying what to do, rather than saving KV that could not be reused.
+With more than one group a failed load is reported per request (``failed_recving``), as vLLM requires there,
+and ``kv_sync_loads`` is refused at start-up (:mod:`asyncconn.vllm.kv.failures`).
 
 Routers and metrics (:mod:`asyncconn.vllm.kv.events`): with vLLM's KV events on (``--kv-events-config``), a
 producer publishes ``BlockStored`` for each value its workers confirmed in the store (and ``BlockRemoved``
@@ -33,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -46,7 +49,7 @@ from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_dev
 from asyncconn.url import redact
 from asyncconn.vllm.checks import check_extra_config
 from asyncconn.vllm.kv.events import KVEvents, SaveReports, tier_of
-from asyncconn.vllm.kv.groups import GroupLayout, check_groups
+from asyncconn.vllm.kv.groups import GroupLayout, check_groups, check_sync_loads
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.parts import ValueParts
@@ -126,6 +129,7 @@ class AsyncConnKVConnector(
         follow_vllm_logging()
         self.settings: Settings = check_extra_config(config.kv_connector_extra_config, _FIELD)
         groups = check_groups(kv_cache_config)
+        check_sync_loads(groups, self.settings.kv_sync_loads)
         tp_size, rank = _tensor_parallel(vllm_config)
         self._identity = KVIdentity.from_vllm(
             vllm_config, kv_cache_config, tp_size=tp_size, blocks_per_value=self.settings.kv_blocks_per_value
@@ -226,6 +230,7 @@ class AsyncConnKVConnector(
             windowed=groups.windowed,
             events=SaveReports() if events else None,
             parts=parts,
+            num_groups=groups.num_groups,
         )
 
     # -- the one object this facade delegates to -------------------------------------------------------
@@ -296,6 +301,16 @@ class AsyncConnKVConnector(
         if not isinstance(meta, AsyncConnKVMetadata):
             return self.worker_side.get_finished(finished_req_ids)
         return self.worker_side.get_finished(finished_req_ids, meta.finished_via_recv, meta.step_tokens)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s reports, and the requests among ``finished_recving`` whose load failed on a
+        model with several KV cache groups (``failed_recving``; :mod:`asyncconn.vllm.kv.failures`)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self.worker_side.take_failed_recving(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors()

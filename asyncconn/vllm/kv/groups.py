@@ -36,6 +36,7 @@ __all__ = [
     "Part",
     "Window",
     "check_groups",
+    "check_sync_loads",
     "has_null",
     "real_blocks",
     "replicated",
@@ -127,6 +128,8 @@ class GroupLayout:
     #: The parts a value is stored in, whole-life first: one (every layer) without windowed groups.
     parts: tuple[Part, ...] = ()
     window: Window | None = None  # the windowed groups' rule (None without any)
+    #: vLLM's KV cache groups (more than one: the hybrid manager is on, and block ids are per group).
+    num_groups: int = 1
 
 
 def check_groups(kv_cache_config: Any) -> GroupLayout:
@@ -176,4 +179,19 @@ def check_groups(kv_cache_config: Any) -> GroupLayout:
         windowed=bool(windowed),
         parts=parts,
         window=Window.of([g.kv_cache_spec for g in windowed], block_sizes[0]) if windowed else None,
+        num_groups=len(groups),
     )
+
+
+def check_sync_loads(layout: GroupLayout, sync_loads: bool) -> None:
+    """Refuse ``kv_sync_loads`` with several KV cache groups: vLLM 0.32 has no report for a failed sync load
+    there (block ids are per group, and ``failed_recving`` covers only requests waiting for an asynchronous
+    load), so one missing or corrupt value would either stop the engine or leave the step's output computed
+    on top of bad blocks (:mod:`asyncconn.vllm.kv.failures`)."""
+    if sync_loads and layout.num_groups > 1:
+        raise ConfigError(
+            "kv_connector_extra_config.kv_sync_loads is not supported with vLLM's hybrid KV cache manager "
+            f"(this model has {layout.num_groups} KV cache groups): vLLM 0.32 cannot be told that a sync "
+            "load failed on such a model. Drop kv_sync_loads (asynchronous loads report a failure per "
+            "request), or start vLLM with --disable-hybrid-kv-cache-manager."
+        )

@@ -59,6 +59,7 @@ class _Req:
     window_saved: int = 0  # window parts (split hybrid) planned below this value index
     had_saves: bool = False
     loading: dict[int, frozenset[int]] | None = None  # value index -> blocks an async load writes
+    load_failed: bool = False  # its load was reported in failed_recving: it computes, never loads again
 
 
 class KVSchedulerSide:
@@ -121,6 +122,9 @@ class KVSchedulerSide:
             self._local.pop(rid, None)
         if self.lookup is None:
             return 0, False
+        state = self._reqs.get(rid)
+        if state is not None and state.load_failed:
+            return 0, False  # one try: a value the lookup finds but the load cannot read would loop
         hashes = self.keys.value_hashes(request.block_hashes)
         # vLLM must compute at least the last prompt token itself, so a hit never covers it.
         usable = min(len(hashes), max(request.num_tokens - 1, 0) // tpv)
@@ -329,6 +333,10 @@ class KVSchedulerSide:
     def update_connector_output(self, output: Any) -> None:
         """A received request's blocks are the scheduler's again; failed values are saved anew later.
 
+        A request in ``failed_recving`` (a model with several KV cache groups) failed as a whole: vLLM
+        computes it from its local prefix-cache hit, every value it was loading is saved anew (the store
+        skips those it holds already), and it is never offered a store hit again.
+
         A sync load ends with the step that planned it (the workers waited for it), so nothing is kept for
         it. Its failed blocks may be shared, through vLLM's prefix cache, by requests that computed on top
         of them in that step; vLLM recomputes those too, and the workers saved nothing that step, so every
@@ -343,11 +351,16 @@ class KVSchedulerSide:
             for rid in output.finished_sending or ():
                 events.release(rid)
         invalid = set(output.invalid_block_ids or ())
+        failed = set(getattr(output, "failed_recving", None) or ())
         for rid in output.finished_recving or ():
             state = self._reqs.get(rid)
             if state is None or state.loading is None:
                 continue
-            bad = [v for v, blocks in state.loading.items() if blocks & invalid]
+            if rid in failed:  # reported per request (several KV cache groups): vLLM recomputes it all
+                state.load_failed = True
+                bad = list(state.loading)
+            else:
+                bad = [v for v, blocks in state.loading.items() if blocks & invalid]
             if bad:  # the store lacks (or has a bad copy of) these values: let this request save them
                 state.stored_values = min(state.stored_values, *bad)
             state.loading = None

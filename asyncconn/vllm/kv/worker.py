@@ -22,11 +22,12 @@ side stream); a value several requests need is fetched once. When a value has la
 written into each layer at the request's block ids, on the worker's current stream -- before the next
 forward that could read them. A fetch that reads into a request's own blocks (in place) keeps that
 request's load open until the read has ended, also when it was aborted or timed out meanwhile. A request
-is reported in
-``finished_recving`` once all its values are in; blocks whose value failed (miss, corrupt, timeout, dead
-store, deadline) are reported the same step through ``get_block_ids_with_load_errors`` so vLLM recomputes
-them. A sync load (``kv_sync_loads``) is the same load, but ``start_load_kv`` returns only once it is in
-(vLLM runs the forward on top of it right after), and it is never reported in ``finished_recving``.
+is reported in ``finished_recving`` once all its values are in; a failed value (miss, corrupt, timeout,
+dead store, deadline) is reported the same step so vLLM recomputes: its blocks through
+``get_block_ids_with_load_errors``, or on a model with several KV cache groups the request through
+``failed_recving`` (:mod:`asyncconn.vllm.kv.failures`, the mode chosen at construction). A sync load
+(``kv_sync_loads``) is the same load, but ``start_load_kv`` returns only once it is in (vLLM runs the
+forward on top of it right after), and it is never reported in ``finished_recving``.
 
 Saves: ``wait_for_save`` submits the step's planned values to the :class:`SaveTracker` as slices of one
 gather over the cache -- evaluated lazily on the tracker's copy thread on CPU, here on CUDA -- flushes, and
@@ -53,6 +54,7 @@ from asyncconn.store import Scattered, TensorStore
 from asyncconn.transfer import LoadResult, SaveTracker, StreamLoader, TensorSpec
 from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.kv.events import SavedReport, SaveReports
+from asyncconn.vllm.kv.failures import LoadFailures, load_failures
 from asyncconn.vllm.kv.groups import real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.layout import CacheLayout
@@ -126,6 +128,7 @@ class KVWorkerSide:
         windowed: bool = False,
         events: SaveReports | None = None,
         parts: ValueParts | None = None,
+        num_groups: int = 1,
     ) -> None:
         if loader.device is saver.device:
             raise ConfigError(
@@ -158,7 +161,8 @@ class KVWorkerSide:
         self.part_saves: list[StepSaves] = []
         self._fetches: dict[str, _Fetch] = {}  # store key -> waiting targets
         self._req_loads: dict[str, _ReqLoad] = {}  # request id -> its load, until reported
-        self._load_errors: set[int] = set()
+        # How a failed load reaches vLLM: blocks (one KV cache group) or requests (several).
+        self.failed_loads: LoadFailures = load_failures(num_groups)
         self._had_saves: set[str] = set()  # requests whose blocks the scheduler keeps for our saves
         self._finishing: set[str] = set()  # finished by vLLM, to report in finished_sending
         self._save_t0: dict[str, float] = {}
@@ -294,9 +298,9 @@ class KVWorkerSide:
             for key in list(load.remaining):  # only after give_up
                 self._drop_target(rid, key, failed=load.failed_blocks)
             del self._req_loads[rid]
-            if load.failed_blocks:
+            if load.failed_blocks:  # sync loads exist with one KV cache group only (the connector checks)
                 self._sync_failed = True
-                self._load_errors |= load.failed_blocks
+                self.failed_loads.blocks |= load.failed_blocks
             self._stats.observe("load_latency", now - load.t0)
 
     def poll(self) -> None:
@@ -532,7 +536,8 @@ class KVWorkerSide:
                 del self._req_loads[rid]
                 recving.add(rid)
                 if not load.aborted:
-                    self._load_errors |= load.failed_blocks
+                    if load.failed_blocks:
+                        self.failed_loads.async_failed(rid, load.failed_blocks)
                     self._stats.observe("load_latency", time.monotonic() - load.t0)
         # ``pending`` moves the tracker on (it may finish saves); ``poll`` comes after it, so that every
         # request found done here is also forgotten by the tracker now, not on a next step that an idle
@@ -571,8 +576,12 @@ class KVWorkerSide:
         return self.events.take() if self.events is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.failed_loads.take_blocks()
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests reported in ``finished_recving`` whose load failed (several KV cache groups; none
+        otherwise), for ``KVConnectorTransferResults.failed_recving``."""
+        return self.failed_loads.take_requests()
 
     # -- observability and shutdown --------------------------------------------------------------------
     def stats(self) -> AsyncConnKVStats | None:
@@ -600,7 +609,7 @@ class KVWorkerSide:
             "req_loads": len(self._req_loads),
             "had_saves": len(self._had_saves),
             "finishing": len(self._finishing),
-            "load_errors": len(self._load_errors),
+            "load_errors": self.failed_loads.held(),
             "sync_failed": int(self._sync_failed),
             "deletes": self._purger.pending,
             "event_reports": self.events.held() if self.events is not None else 0,
@@ -626,7 +635,7 @@ class KVWorkerSide:
         self._had_saves.clear()  # nothing reports them any more: the engine is going away
         self._finishing.clear()
         self._save_t0.clear()
-        self._load_errors.clear()
+        self.failed_loads.clear()
         self._sync_failed = False
         if not self.runtime.closed:
             try:

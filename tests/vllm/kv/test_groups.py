@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncconn.exceptions import ConfigError
-from asyncconn.vllm.kv.groups import NULL_BLOCK_ID, check_groups, has_null, real_blocks
+from asyncconn.vllm.kv.groups import NULL_BLOCK_ID, check_groups, check_sync_loads, has_null, real_blocks
 
 pytestmark = pytest.mark.interface  # vLLM's spec classes only: scripts/lane-vllm033.sh runs it on 0.33 too
 
@@ -77,3 +77,19 @@ def test_only_models_whose_groups_are_all_mla_are_replicated() -> None:
     assert not replicated(_kv_config(_attention("full")).kv_cache_groups)
     assert not replicated(_kv_config(mla, _attention("window")).kv_cache_groups)
     assert not replicated([])
+
+
+def test_sync_loads_are_refused_with_several_groups_saying_why_and_what_to_do() -> None:
+    """vLLM 0.32 cannot be told that a sync load failed when block ids are per group."""
+    single = check_groups(_kv_config(_attention("full")))
+    assert single.num_groups == 1
+    check_sync_loads(single, True)
+    hybrid = check_groups(_kv_config(_attention("window"), _attention("full")))
+    assert hybrid.num_groups == 2
+    check_sync_loads(hybrid, False)
+    with pytest.raises(ConfigError, match="kv_sync_loads") as info:
+        check_sync_loads(hybrid, True)
+    assert "2 KV cache groups" in str(info.value) and "--disable-hybrid-kv-cache-manager" in str(info.value)
+    # two full-attention groups (different layer shapes) share block ids across groups just the same
+    with pytest.raises(ConfigError, match="kv_sync_loads"):
+        check_sync_loads(check_groups(_kv_config(_attention("full"), _attention("full"))), True)

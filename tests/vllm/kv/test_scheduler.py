@@ -298,3 +298,30 @@ def test_sync_loads_run_at_once_end_with_their_step_and_lower_what_is_stored_whe
         assert not any(h.side.held().values()), h.side.held()
     finally:
         h.side.close()
+
+
+def test_a_load_failed_per_request_is_recomputed_saved_anew_and_never_loaded_again(h: Harness) -> None:
+    """A model with several KV cache groups: the workers report a failed load in ``failed_recving`` (the
+    request, not its blocks). vLLM then computes it from its local hit; every value it was loading is saved
+    anew, and it is never offered a store hit again (a value the lookup finds but no read gets would
+    otherwise load, fail and recompute forever)."""
+    request = _request("f", 100)  # 6 full one-block values of 16 tokens
+    h.side.get_num_new_matched_tokens(request, 16)
+    h.answer_all(4)
+    assert h.side.get_num_new_matched_tokens(request, 16) == (48, True)
+    ids = list(range(7, 14))
+    h.side.update_state_after_alloc(request, _blocks(ids), 48)
+    (load,) = h.side.build_connector_meta(_output()).loads
+    assert [ref.value_hash for ref in load.values] == HASHES[1:4]
+    h.side.update_connector_output(
+        SimpleNamespace(finished_recving={"f"}, failed_recving={"f"}, invalid_block_ids=set())
+    )
+    assert h.side.get_num_new_matched_tokens(request, 16) == (0, False)  # no new lookup, no hit
+    assert h.client.metrics.submitted == 1
+    h.side.update_state_after_alloc(request, _blocks(ids), 0)
+    meta = h.side.build_connector_meta(_scheduled_new("f", ids, 16, 84))
+    assert not meta.loads
+    assert [ref.value_hash for spec in meta.saves for ref in spec.values] == HASHES[1:6]
+    assert h.side.request_finished(request) == (True, None)  # held for its saves only
+    h.side.build_connector_meta(_output(finished=frozenset({"f"})))
+    assert not any(h.side.held().values()), h.side.held()

@@ -51,6 +51,7 @@ def _worker(
     kv_outer: bool = False,
     groups: dict[str, int] | None = None,
     windowed: bool = False,
+    num_groups: int = 1,
 ) -> tuple[KVWorkerSide, KeySpace, dict[str, torch.Tensor]]:
     """A worker on host caches of ``[NUM_BLOCKS, 2, 16, 8]`` per layer (``kv_outer``: ``[2, NUM_BLOCKS, 16,
     8]``, K and V apart, vLLM's other layout)."""
@@ -71,6 +72,7 @@ def _worker(
         group_of_layer=groups or dict.fromkeys(LAYERS, 0),
         num_blocks=NUM_BLOCKS,
         windowed=windowed,
+        num_groups=num_groups,
     )
     shape = (2, NUM_BLOCKS, 16, 8) if kv_outer else (NUM_BLOCKS, 2, 16, 8)
     caches = {n: torch.zeros(shape) for n in LAYERS}
@@ -597,3 +599,28 @@ def test_a_request_reported_saved_is_forgotten_by_the_tracker_in_the_same_step(r
     finally:
         worker.saver = real
         worker.close()
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_a_failed_load_is_reported_as_blocks_with_one_group_and_as_the_request_with_several(
+    runtime: Runtime, num_groups: int
+) -> None:
+    """One KV cache group: the failed value's blocks (``get_block_ids_with_load_errors``), vLLM keeps the
+    prefix before them. Several: block ids are per group and vLLM 0.32 stops its engine on them, so the
+    request is reported (``failed_recving``) in the step that reports it received, and no block id. A load
+    that did not fail is reported in neither."""
+    worker, keys, _ = _worker(runtime, 1, num_groups=num_groups)
+    (good,) = _put_values(runtime, worker, keys, 1)
+    missing = ValueRef(b"\x09" * 32, (0,), ((5,),))
+    worker.start_load_kv(
+        AsyncConnKVMetadata(loads=[LoadSpec("bad", (good, missing)), LoadSpec("ok", (good,))])
+    )
+    _receive(worker, "bad", "ok")
+    blocks, requests = worker.get_block_ids_with_load_errors(), worker.take_failed_recving()
+    if num_groups == 1:
+        assert (blocks, requests) == ({5}, set())
+    else:
+        assert (blocks, requests) == (set(), {"bad"})
+    assert worker.take_failed_recving() == set()  # reported once
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
