@@ -15,6 +15,7 @@ This is the one CPU-only load path; :func:`asyncconn.vllm.kv.loads.landing_for` 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -39,8 +40,9 @@ class InPlaceLanding(HostLanding):
             c.device.type == "cpu" and c.is_contiguous() for c, _ in layout.caches
         )
 
-    def __init__(self, layout: CacheLayout) -> None:
+    def __init__(self, layout: CacheLayout, store: TensorStore) -> None:
         super().__init__(layout)
+        self.in_memory = _in_memory(store)
         # Flat byte views of the layers' caches, the bytes of one block, and the number of block runs per
         # layer (the outer dims before the block dim).
         self.cache_bytes = [codec.tensor_bytes(c) for c, _ in layout.caches]
@@ -52,8 +54,8 @@ class InPlaceLanding(HostLanding):
         per_layer = self.outer * layout.blocks_per_value * self.block_bytes
         assert per_layer * len(self.cache_bytes) == self.staged.staging_nbytes
 
-    def destination(self, ref: ValueRef) -> tuple[TensorSpec | Scattered, bool]:
-        if ref.positions != self.layout.whole or self.layout.has_null(ref):
+    def destination(self, ref: ValueRef, key: str) -> tuple[TensorSpec | Scattered, bool]:
+        if ref.positions != self.layout.whole or self.layout.has_null(ref) or not self.in_memory(key):
             return self.staged, False
         per_block = self.block_bytes
         blocks = self.layout.layer.layer_shape[self.layout.block_dim]
@@ -85,3 +87,18 @@ class InPlaceLanding(HostLanding):
             assert landed_in is not None
             value = self.layout.gather_blocks([list(g) for g in landed_in.block_ids])
         self.layout.scatter(value, ref)
+
+
+def _in_memory(store: TensorStore) -> Callable[[str], bool]:
+    """Whether a value is worth reading in place: always over a store whose every read can be a memory copy
+    (``file://``); over a host tier in front of a remote store, only when the tier holds it now.
+
+    Why: a value the tier does not hold comes back ``NOT_CACHED`` from an in-place read and is fetched
+    again through staging a poll later -- a cold prefix over redis paid that round trip for every value.
+    The tier's index belongs to the loop thread; this reads one dict membership from vLLM's thread, and a
+    stale answer costs only that round trip (or a staged read of a held value), never a wrong value.
+    """
+    tier = store.host_tier
+    if tier is None or tier.inner.cached_reads:
+        return lambda key: True
+    return lambda key: key in tier.lru

@@ -30,9 +30,10 @@ class Landing:
         self.layout = layout
         self.staged = TensorSpec(layout.value_shape, layout.dtype)
 
-    def destination(self, ref: ValueRef) -> tuple[TensorSpec | Scattered, bool]:
-        """Where a new fetch of ``ref`` lands, and whether that is the requesting request's own blocks (the
-        worker then keeps that request's load open until the read has ended, whatever happens to it)."""
+    def destination(self, ref: ValueRef, key: str) -> tuple[TensorSpec | Scattered, bool]:
+        """Where a new fetch of ``ref`` (stored under ``key``) lands, and whether that is the requesting
+        request's own blocks (the worker then keeps that request's load open until the read has ended,
+        whatever happens to it)."""
         return self.staged, False
 
     def fallback(self, result: LoadResult) -> TensorSpec | None:
@@ -82,5 +83,5 @@ def landing_for(layout: CacheLayout, loader: StreamLoader, store: TensorStore) -
     from asyncconn.vllm.kv.in_place import InPlaceLanding
 
     if InPlaceLanding.possible(layout, store):
-        return InPlaceLanding(layout)
+        return InPlaceLanding(layout, store)
     return HostLanding(layout)

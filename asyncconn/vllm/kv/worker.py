@@ -241,7 +241,7 @@ class KVWorkerSide:
                 fetch = self._fetches.get(key)
                 if fetch is None:
                     fetch = self._fetches[key] = _Fetch(part=ref.part)
-                    dest, into_blocks = landings[ref.part].destination(ref)
+                    dest, into_blocks = landings[ref.part].destination(ref, key)
                     if into_blocks:
                         fetch.owner, fetch.owner_ref = spec.request_id, ref
                     submit.append((key, dest))

@@ -52,6 +52,7 @@ def _worker(
     groups: dict[str, int] | None = None,
     windowed: bool = False,
     num_groups: int = 1,
+    host_cache_bytes: int = 0,
 ) -> tuple[KVWorkerSide, KeySpace, dict[str, torch.Tensor]]:
     """A worker on host caches of ``[NUM_BLOCKS, 2, 16, 8]`` per layer (``kv_outer``: ``[2, NUM_BLOCKS, 16,
     8]``, K and V apart, vLLM's other layout)."""
@@ -60,7 +61,7 @@ def _worker(
     )
     keys = KeySpace(identity)
     url = url or f"memory://kv-loads-{uuid.uuid4().hex[:8]}"
-    store = runtime.run(TensorStore.open(url), timeout=10)
+    store = runtime.run(TensorStore.open(url, host_cache_bytes=host_cache_bytes), timeout=10)
     pool = PinnedPool(8 << 20)
     worker = KVWorkerSide(
         keys,
@@ -622,5 +623,38 @@ def test_a_failed_load_is_reported_as_blocks_with_one_group_and_as_the_request_w
     else:
         assert (blocks, requests) == (set(), {"bad"})
     assert worker.take_failed_recving() == set()  # reported once
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
+
+
+def test_over_a_host_tier_only_values_the_tier_holds_are_read_in_place(runtime: Runtime) -> None:
+    """A host tier in front of a store that cannot serve reads from memory (here ``memory://``, as a remote
+    store): a value the tier does not hold goes straight through staging (an in-place try would come back
+    ``NOT_CACHED`` and be fetched again a poll later); once the tier holds it, it is read into the blocks."""
+    worker, keys, caches = _worker(runtime, 1, host_cache_bytes=64 << 20)
+    tier = worker.store.host_tier
+    assert tier is not None and isinstance(worker.landings[0], InPlaceLanding)
+    values = [torch.randn(len(LAYERS), 1, 2, 16, 8) for _ in range(4)]
+    hashes = [bytes([v + 1]) * 32 for v in range(4)]
+    runtime.run(worker.store.put([(keys.store_key(h, 0), v) for h, v in zip(hashes, values, strict=True)]))
+    tier.lru.clear()  # cold: only the store has them
+
+    def load(rid: str, first_block: int) -> None:
+        refs = tuple(ValueRef(h, (0,), ((first_block + v,),)) for v, h in enumerate(hashes))
+        worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec(rid, refs)]))
+        _receive(worker, rid)
+        assert worker.get_block_ids_with_load_errors() == set()
+        for i, name in enumerate(LAYERS):
+            for v in range(4):
+                assert torch.equal(caches[name][first_block + v], values[v][i, 0]), (rid, name, v)
+
+    load("cold", 4)
+    totals = worker.loader.totals()
+    assert totals.get("reads_in_place", 0) == 0 and totals.get("loaded_in_place", 0) == 0, totals
+    assert tier.stats.misses == 4 and len(tier.lru) == 4  # read from the store, kept by the tier
+    load("warm", 12)
+    totals = worker.loader.totals()
+    assert totals["loaded_in_place"] == 4, totals
+    assert tier.stats.hits == 4
     worker.close()
     assert not any(worker.held().values()), worker.held()
