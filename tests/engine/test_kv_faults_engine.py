@@ -316,13 +316,20 @@ def test_a_store_hung_or_killed_during_a_sync_load_holds_the_step_no_longer_than
     waits: list[float] = []
     reported: set[int] = set()
 
+    faulted: list[str] = []
+
     def issue_then_hang(meta: Any) -> Any:
+        # Stopped before the reads are sent, so that they are in flight when it hangs or dies: stopping it
+        # after the issue raced the reads, which a fast store answered first (nothing left to recompute).
+        first = any(spec.sync for spec in meta.loads) and not faulted
+        if first:
+            faulted.append(fault)
+            fresh_redis.pause()
         out = issue_loads(meta)
-        if any(spec.sync for spec in meta.loads) and not waits:
-            if fault == "hung":
-                fresh_redis.pause()
-            else:
-                fresh_redis.kill()
+        if first and fault == "killed":
+            assert fresh_redis.proc is not None
+            fresh_redis.proc.kill()  # SIGKILL ends a stopped process too: it never answers them
+            fresh_redis.proc.wait(5)
         return out
 
     def timed(meta: Any) -> None:
