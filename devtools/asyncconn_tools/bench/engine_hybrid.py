@@ -11,7 +11,6 @@ Two questions, on a Gemma-3-style ~100M model (``hybrid-100m``: 10 sliding-windo
 
 from __future__ import annotations
 
-import random
 import shutil
 import statistics
 import sys
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncconn_tools.bench.engine_runs import long_prompt_engine, stored_prompts
 from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm
 
 __all__ = ["hybrid_bench"]
@@ -40,15 +40,9 @@ def hybrid_bench(tokens: int = 4096, prompts: int = 2, rounds: int = 2) -> dict[
 
     from asyncconn_tools.tiny_models import build_model
 
-    rng = random.Random(11)
-    texts = [[rng.randrange(5, 8000) for _ in range(tokens + 17)] for _ in range(prompts)]
+    texts = stored_prompts(tokens, prompts, seed=11)
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    engine_args: dict[str, Any] = {
-        "kv_cache_bytes": 2 << 30,
-        "max_model_len": tokens + 64,
-        "max_num_batched_tokens": tokens + 64,
-        "max_num_seqs": 1,
-    }
+    engine_args = long_prompt_engine(tokens)
     workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-hybrid-"))
     figures: dict[str, Any] = {"prompt tokens": tokens + 17}
     try:

@@ -31,7 +31,15 @@ from typing import Any
 
 from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm
 
-__all__ = ["decode_bench", "ec_bench", "memcpy_gbps", "stall_bench", "ttft_bench"]
+__all__ = [
+    "decode_bench",
+    "ec_bench",
+    "long_prompt_engine",
+    "memcpy_gbps",
+    "stall_bench",
+    "stored_prompts",
+    "ttft_bench",
+]
 
 
 def _say(message: str) -> None:
@@ -63,6 +71,22 @@ def _redis_url() -> Iterator[str]:
         server.stop()
 
 
+def stored_prompts(tokens: int, prompts: int, seed: int) -> list[list[int]]:
+    """``prompts`` random prompts of ``tokens + 17`` tokens (a 17-token tail past the last full block)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 8000) for _ in range(tokens + 17)] for _ in range(prompts)]
+
+
+def long_prompt_engine(tokens: int, seqs: int = 1) -> dict[str, Any]:
+    """Engine arguments for prompts of about ``tokens``, each prefilled in one step, ``seqs`` at a time."""
+    return {
+        "kv_cache_bytes": 2 << 30,
+        "max_model_len": tokens + 64,
+        "max_num_batched_tokens": tokens + 64,
+        "max_num_seqs": seqs,
+    }
+
+
 def _kv_bytes_per_token(probe: Probe) -> int:
     total = 0
     for cache in probe.kv_caches().values():
@@ -88,15 +112,9 @@ def ttft_bench(
     from asyncconn_tools.tiny_models import build_model
 
     model = build_model(model_name, progress=_say)
-    rng = random.Random(7)
-    texts = [[rng.randrange(5, 8000) for _ in range(tokens + 17)] for _ in range(prompts)]
+    texts = stored_prompts(tokens, prompts, seed=7)
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    engine_args: dict[str, Any] = {
-        "kv_cache_bytes": 2 << 30,
-        "max_model_len": tokens + 64,
-        "max_num_batched_tokens": tokens + 64,
-        "max_num_seqs": 1,
-    }
+    engine_args = long_prompt_engine(tokens)
     workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-"))
     per_token = 0
 
@@ -187,16 +205,11 @@ def stall_bench(
     from asyncconn_tools.tiny_models import build_model
 
     model = build_model(model_name, progress=_say)
-    rng = random.Random(11)
+    rng = random.Random(11)  # the decoders' prompts follow on from the same generator
     long_prompts = [[rng.randrange(5, 8000) for _ in range(tokens + 17)] for _ in range(prompts)]
     one = SamplingParams(max_tokens=1, temperature=0.0)
     endless = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    engine_args: dict[str, Any] = {
-        "kv_cache_bytes": 2 << 30,
-        "max_model_len": tokens + 64,
-        "max_num_batched_tokens": tokens + 64,
-        "max_num_seqs": decoders + 1,
-    }
+    engine_args = long_prompt_engine(tokens, seqs=decoders + 1)
     workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-"))
     example_name = "vLLM ExampleConnector"
     configs: dict[str, Callable[[], Any]] = {

@@ -16,7 +16,6 @@ tier. Decode throughput with the tier attached against no connector is :func:`ti
 
 from __future__ import annotations
 
-import random
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncconn_tools.bench.engine_runs import _fill_stores, _redis_url, decode_bench
+from asyncconn_tools.bench.engine_runs import (
+    _fill_stores,
+    _redis_url,
+    decode_bench,
+    long_prompt_engine,
+    stored_prompts,
+)
 from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm
 
 __all__ = ["tier_decode_bench", "tiers_bench"]
@@ -66,15 +71,9 @@ def tiers_bench(
     from asyncconn_tools.tiny_models import build_model
 
     model = build_model("text-100m", progress=_say)
-    rng = random.Random(7)
-    texts = [[rng.randrange(5, 8000) for _ in range(tokens + 17)] for _ in range(prompts)]
+    texts = stored_prompts(tokens, prompts, seed=7)
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    engine_args: dict[str, Any] = {
-        "kv_cache_bytes": 2 << 30,
-        "max_model_len": tokens + 64,
-        "max_num_batched_tokens": tokens + 64,
-        "max_num_seqs": 1,
-    }
+    engine_args = long_prompt_engine(tokens)
     workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-tiers-"))
     samples: dict[str, list[float]] = {name: [] for name in (_FILE, _COLD, _TIER_COLD, _WARM)}
     per_round: dict[str, list[float]] = {name: [] for name in samples}
