@@ -23,7 +23,7 @@ from urllib.parse import quote
 import pytest
 import torch
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from asyncconn.cli.main import main as cli_main
@@ -182,15 +182,22 @@ def test_no_url_shape_leaks_its_secret(case: tuple[str, list[str]], rt: Runtime,
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_url())
+@example(case=("memory://S3c0000@@127.0.0.1:1", ["S3c0000"]))  # found by CI: memory:// takes a user name
 def test_no_url_shape_leaks_through_check(
     case: tuple[str, list[str]], capsys: pytest.CaptureFixture[str], records: _Records
 ) -> None:
     url, tokens = case
     records.texts.clear()
     capsys.readouterr()
-    assert cli_main(["check", url, "--timeout", "1"]) == 2  # ports 1 and 2 are closed
+    code = cli_main(["check", url, "--timeout", "1"])
     out = capsys.readouterr()
-    assert "FAILED" in out.out
+    if url.lower().startswith("memory://") and code == 0:
+        # memory:// connects nowhere: a user name without a password ("bare") is accepted and ignored, and
+        # the check passes; its line must still not print the name
+        assert "ok" in out.out
+    else:
+        assert code == 2  # ports 1 and 2 are closed
+        assert "FAILED" in out.out
     assert _leaks([out.out, out.err, *records.texts], tokens) == []
 
 
