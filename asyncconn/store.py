@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import os
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -37,9 +36,10 @@ from asyncconn.exceptions import (
 from asyncconn.hosttier import HostTier
 from asyncconn.reachability import Reachability
 from asyncconn.runtime import fork_generation, forked_error, keep_inherited
+from asyncconn.scattered import Scattered
 from asyncconn.url import StoreURL, parse_url, redact
 
-__all__ = ["Fetch", "Scattered", "StoreStats", "TensorStore"]
+__all__ = ["Fetch", "StoreStats", "TensorStore"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,53 +54,6 @@ class Fetch(enum.Enum):
     MISS = "miss"
     CORRUPT = "corrupt"  # present but not a valid frame for the destination (counted in stats.corrupt)
     NOT_CACHED = "not_cached"  # a ``cached_only`` read the store would have had to wait for (not counted)
-
-
-@dataclass(frozen=True, slots=True)
-class Scattered:
-    """A destination in pieces: the value (``dtype``, ``shape``) lands in ``views``, one after another.
-
-    Why: a host KV cache keeps a value's blocks apart (a piece per layer); reading straight into them saves
-    the staging buffer and the copy out of it. The pieces are written before the frame is checked: on any
-    outcome but a hit their contents are unspecified. The loader takes it as an *in-place* destination
-    (``StreamLoader``: a host device only, and only values the store holds in memory, so that a read
-    writing the caller's memory always ends within a memory copy).
-    """
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    views: tuple[memoryview, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        nbytes = sum(v.nbytes for v in self.views)
-        if nbytes != self.nbytes:
-            raise InvalidInput(
-                f"Scattered: pieces hold {nbytes} bytes, a {self.dtype}{list(self.shape)} value is "
-                f"{self.nbytes}"
-            )
-        if any(v.readonly for v in self.views):
-            raise InvalidInput("Scattered: a piece is read-only")
-
-    @classmethod
-    def trusted(cls, dtype: torch.dtype, shape: tuple[int, ...], views: tuple[memoryview, ...]) -> Scattered:
-        """A destination whose pieces the caller has sized and made writable itself: built without checks.
-
-        Why: the KV worker builds one per loaded value on vLLM's thread (128 for a 4k-token prefix), from
-        views of the cache it checked once at registration, and the checks were half of that cost. A piece
-        of the wrong size still cannot be misread: the store checks the value's length against the pieces'
-        before it reads, and the frame's dtype and shape against ``dtype`` and ``shape`` after.
-        """
-        self = object.__new__(cls)
-        object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "views", views)
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        """The value's bytes: the pieces' total."""
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass

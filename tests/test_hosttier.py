@@ -22,7 +22,8 @@ from asyncconn.backend import NOT_CACHED, open_backend
 from asyncconn.config import Settings
 from asyncconn.exceptions import BackendError, BackendUnavailable
 from asyncconn.hosttier import HostLRU, HostTier
-from asyncconn.store import Fetch, Scattered, TensorStore
+from asyncconn.scattered import Scattered
+from asyncconn.store import Fetch, TensorStore
 from tests.servers import RedisServer
 
 # -- the LRU ----------------------------------------------------------------------------------------------

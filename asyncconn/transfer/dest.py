@@ -1,6 +1,6 @@
 """Where a loaded value goes: a new device tensor that the loader allocates, described by a
 :class:`TensorSpec` (its shape and dtype, or a bound on its size); or, on a host device, memory the caller
-already has (:class:`~asyncconn.store.Scattered`, the store's destination in pieces).
+already has (:class:`~asyncconn.scattered.Scattered`, the store's destination in pieces).
 
 The description is validated when it is built, on the caller's thread, so a wrong shape is a
 :class:`ConfigError` at ``submit`` time rather than a failed copy later. KV values are loaded the same way and

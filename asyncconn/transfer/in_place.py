@@ -1,4 +1,4 @@
-"""In-place loads: a :class:`~asyncconn.store.Scattered` destination, read straight into a host KV cache.
+"""In-place loads: a :class:`~asyncconn.scattered.Scattered` destination, read straight into a host KV cache.
 
 The store reads the value straight into the caller's memory, the pieces in order, in groups with
 ``cached_only`` (nothing that could wait for a disk), and the result is reported as soon as the read has
@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncconn.exceptions import TransferError
-from asyncconn.store import Fetch, Scattered
+from asyncconn.scattered import Scattered
+from asyncconn.store import Fetch
 from asyncconn.transfer.direct import DirectLoads, register
 
 if TYPE_CHECKING:

@@ -50,7 +50,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -176,7 +176,8 @@ class StreamLoader:
         self.device = device if device is not None else default_device(priority=LOAD_PRIORITY)
         self.pool = pool if pool is not None else PinnedPool(device=self.device)
         self.max_inflight = max_inflight
-        self.rows = rows and not self.device.synchronous
+        # How a staged load's fetched value is handed over: the device's mode, chosen once.
+        self._staged: _StagedHandOver = _OnHost() if self.device.synchronous else _OnDevice(rows)
         self.on_corrupt = on_corrupt
         # One per registered kind of direct destination (the in-place loads), by destination type.
         self._direct: dict[type, DirectLoads] = {t: make(self) for t, make in DIRECT_LOADS.items()}
@@ -253,21 +254,12 @@ class StreamLoader:
         results, self._results = self._results, []
         while self._copying and self._copying[0].event is not None and self._copying[0].event.query():
             self._finish_copy(self._copying.popleft(), results)
-        lend = consume is not None and self.device.synchronous
         while self._fetched:
             load = self._fetched.popleft()
             if load.direct is not None:
                 self._landed_direct(load, load.direct, results)
-            elif lend:
-                assert consume is not None
-                self._lend(load, results, consume)
-            elif self.rows and _copyable(load) and self._fetched and _copyable(self._fetched[0], like=load):
-                group = [load]
-                while self._fetched and _copyable(self._fetched[0], like=load):
-                    group.append(self._fetched.popleft())
-                self._copy_group(group, results)
             else:
-                self._on_fetched(load, results)
+                self._staged.take(self, load, results, consume)
         self._start_queued()
         if consume is None:
             return results
@@ -750,6 +742,60 @@ class _Groups:
             return None
         full, self.loads, self.nbytes = self.loads, [], 0
         return full
+
+
+class _StagedHandOver(Protocol):
+    """How :meth:`StreamLoader.poll` hands over a fetched staged load: one implementation per device mode."""
+
+    def take(
+        self,
+        loader: StreamLoader,
+        load: _Load,
+        results: list[LoadResult],
+        consume: Callable[[LoadResult], object] | None,
+    ) -> None: ...
+
+
+class _OnHost:
+    """A host device (:attr:`TransferDevice.synchronous`): a consumer reads the staging buffer itself, lent
+    for the call (no copy); without one, the value is copied into a tensor of its own."""
+
+    def take(
+        self,
+        loader: StreamLoader,
+        load: _Load,
+        results: list[LoadResult],
+        consume: Callable[[LoadResult], object] | None,
+    ) -> None:
+        if consume is not None:
+            loader._lend(load, results, consume)
+        else:
+            loader._on_fetched(load, results)
+
+
+@dataclass(frozen=True, slots=True)
+class _OnDevice:
+    """A device that copies asynchronously: a copy and an event per value, or with ``rows`` the fetched
+    loads of one dtype and shape next in line as the rows of one device tensor (``StreamLoader``'s
+    ``rows``)."""
+
+    rows: bool
+
+    def take(
+        self,
+        loader: StreamLoader,
+        load: _Load,
+        results: list[LoadResult],
+        consume: Callable[[LoadResult], object] | None,
+    ) -> None:
+        fetched = loader._fetched
+        if self.rows and _copyable(load) and fetched and _copyable(fetched[0], like=load):
+            group = [load]
+            while fetched and _copyable(fetched[0], like=load):
+                group.append(fetched.popleft())
+            loader._copy_group(group, results)
+        else:
+            loader._on_fetched(load, results)
 
 
 def _copyable(load: _Load, like: _Load | None = None) -> bool:

@@ -17,7 +17,8 @@ import torch
 from asyncconn import codec
 from asyncconn.backend import NOT_CACHED, StorageBackend, open_backend
 from asyncconn.exceptions import BackendError, InvalidInput
-from asyncconn.store import Fetch, Scattered, TensorStore
+from asyncconn.scattered import Scattered
+from asyncconn.store import Fetch, TensorStore
 from tests.servers import RedisServer
 from tests.servers_distributed import MooncakeMaster, RedisCluster, mooncake_contract_url
 

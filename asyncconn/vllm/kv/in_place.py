@@ -1,10 +1,11 @@
 """In-place loads: on a CPU engine over a store that serves reads from memory (``file://``'s page cache), a
 whole value is read straight into the request's blocks -- no staging buffer and no copy out of one.
 
-The destination is a :class:`~asyncconn.store.Scattered`: the value's bytes, layer by layer, are the blocks
-``ref.block_ids`` of each layer in order (a run of consecutive ids is one piece). The loader groups such reads
-into ``cached_only`` store calls (memory copies, never a disk wait); a value the store would have had to
-wait for comes back ``NOT_CACHED`` and is fetched again through staging (:meth:`InPlaceLanding.fallback`).
+The destination is a :class:`~asyncconn.scattered.Scattered`: the value's bytes, layer by layer, are the
+blocks ``ref.block_ids`` of each layer in order (a run of consecutive ids is one piece). The loader groups
+such reads into ``cached_only`` store calls (memory copies, never a disk wait); a value the store would have
+had to wait for comes back ``NOT_CACHED`` and is fetched again through staging
+(:meth:`InPlaceLanding.fallback`).
 Another request wanting the same value copies it from the blocks it was read into. The worker keeps the
 reading request's load open until the read has ended, also when it was aborted or timed out meanwhile:
 vLLM frees or recomputes a request's blocks only after it is reported.
@@ -20,7 +21,8 @@ from collections.abc import Callable
 import torch
 
 from asyncconn import codec
-from asyncconn.store import Scattered, TensorStore
+from asyncconn.scattered import Scattered
+from asyncconn.store import TensorStore
 from asyncconn.transfer import Failure, LoadResult, TensorSpec
 from asyncconn.transfer.runs import runs
 from asyncconn.vllm.kv.layout import CacheLayout

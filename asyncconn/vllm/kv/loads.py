@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncconn.store import Scattered, TensorStore
+from asyncconn.scattered import Scattered
+from asyncconn.store import TensorStore
 from asyncconn.transfer import LoadResult, StreamLoader, TensorSpec
 from asyncconn.vllm.kv.layout import CacheLayout
 from asyncconn.vllm.kv.metadata import ValueRef

@@ -50,7 +50,8 @@ import torch
 
 from asyncconn.exceptions import AsyncConnError, ConfigError
 from asyncconn.runtime import Runtime
-from asyncconn.store import Scattered, TensorStore
+from asyncconn.scattered import Scattered
+from asyncconn.store import TensorStore
 from asyncconn.transfer import LoadResult, SaveTracker, StreamLoader, TensorSpec
 from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.kv.events import SavedReport, SaveReports
