@@ -13,6 +13,8 @@ The worker's request bookkeeping (de-duplication, deadlines, load errors) is the
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from asyncconn.scattered import Scattered
@@ -26,6 +28,9 @@ __all__ = ["DeviceLanding", "HostLanding", "Landing", "landing_for"]
 
 class Landing:
     """Staged loads: a whole value lands in a staging buffer (``staged``) and is written into the cache."""
+
+    #: Whether a step's loads are issued before its forward (``KVWorkerSide.loads_before_forward``).
+    before_forward: ClassVar[bool] = False
 
     def __init__(self, layout: CacheLayout) -> None:
         self.layout = layout
@@ -52,7 +57,13 @@ class Landing:
 
 
 class HostLanding(Landing):
-    """CPU: each value is written out from the lent staging buffer before the loader takes it back."""
+    """CPU: each value is written out from the lent staging buffer before the loader takes it back.
+
+    Its loads go out before the forward: a CPU forward runs to its end before returning, so loads issued
+    after it would wait a whole step (``KVWorkerSide.loads_before_forward``).
+    """
+
+    before_forward = True
 
     def deliver(self, value: torch.Tensor | None, ref: ValueRef, landed_in: ValueRef | None) -> None:
         assert value is not None

@@ -219,7 +219,7 @@ class KVWorkerSide:
         before returning, so the loads would wait a whole step; issued when the metadata is bound they run
         beside the forward (a request that loads is not scheduled, and its new blocks were zeroed before).
         """
-        return self.layout is not None and self.layout.device.type == "cpu"
+        return self.landing is not None and self.landing.before_forward
 
     def issue_loads(self, meta: AsyncConnKVMetadata) -> None:
         """Submit this step's loads (never waits); once per metadata, whichever of bind or
