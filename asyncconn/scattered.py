@@ -47,8 +47,8 @@ class Scattered:
     def trusted(cls, dtype: torch.dtype, shape: tuple[int, ...], views: tuple[memoryview, ...]) -> Scattered:
         """A destination whose pieces the caller has sized and made writable itself: built without checks.
 
-        Why: the KV worker builds one per loaded value on vLLM's thread (128 for a 4k-token prefix), from
-        views of the cache it checked once at registration, and the checks were half of that cost. A piece
+        Why: the KV worker builds one per loaded value on vLLM's thread, from views of the cache it checked
+        once at registration, and the checks were a large part of that cost. A piece
         of the wrong size still cannot be misread: the store checks the value's length against the pieces'
         before it reads, and the frame's dtype and shape against ``dtype`` and ``shape`` after.
         """

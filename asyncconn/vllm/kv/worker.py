@@ -75,9 +75,9 @@ __all__ = ["KVWorkerSide"]
 log = logging.getLogger(__name__)
 
 #: Longest wait for the loads in flight on a step that scheduled no tokens (see ``get_finished``). Each
-#: empty step costs vLLM's thread ~0.6 ms of CPU that a small CPU engine takes from the threads reading the
-#: loads; 10 ms keeps that under a tenth of a core, and a request arriving meanwhile is scheduled 10 ms
-#: later at worst (the wait ends as soon as every load has landed).
+#: empty step costs vLLM's thread CPU that a small CPU engine takes from the threads reading the loads; a
+#: bound of a few empty steps' length keeps that small, and a request arriving meanwhile is scheduled at most
+#: this much later (the wait ends as soon as every load has landed).
 IDLE_WAIT_S = 0.010
 
 
