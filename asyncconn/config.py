@@ -65,6 +65,16 @@ def _optional_endpoint(value: Any) -> str | None:
     return text
 
 
+def _optional_local_url(value: Any) -> str | None:
+    """A ``file://`` store URL (this host's disk), or None."""
+    if value in (None, ""):
+        return None
+    url = _url(value)
+    if parse_url(url).scheme != "file":
+        raise ValueError("must be a file:// URL (a directory on this host's disk)")
+    return url
+
+
 def _optional_text(value: Any) -> str | None:
     return None if value in (None, "") else _text(value)
 
@@ -139,6 +149,13 @@ class Settings:
         0,
         "host-memory tier per worker in front of the store, e.g. 8GiB: least recently used values evicted "
         "first; a load it holds never reaches the store (0: off)",
+    )
+    local_store_url: str | None = _opt(
+        _optional_local_url,
+        None,
+        "a file:// store on this host's disk in front of backend_url, e.g. "
+        "file:///nvme/asyncconn?max_bytes=500GiB: loads it holds never leave the host, values loaded from "
+        "backend_url are written to it, saves go to both (unset: none)",
     )
     pinned_pool_bytes: int = _opt(_positive_size, 1 << 30, "pinned staging memory per worker, e.g. 1GiB")
     max_inflight_loads: int = _opt(

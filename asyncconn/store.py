@@ -34,6 +34,7 @@ from asyncconn.exceptions import (
     InvalidInput,
 )
 from asyncconn.hosttier import HostTier
+from asyncconn.layered import LayeredBackend
 from asyncconn.reachability import Reachability
 from asyncconn.runtime import fork_generation, forked_error, keep_inherited
 from asyncconn.scattered import Scattered
@@ -104,6 +105,7 @@ class TensorStore:
         timeout: float = DEFAULT_TIMEOUT,
         connect_timeout: float | None = None,
         host_cache_bytes: int = 0,
+        local_url: str | StoreURL | None = None,
     ) -> TensorStore:
         """Connect and return a store whose calls are bounded by ``timeout``.
 
@@ -111,6 +113,8 @@ class TensorStore:
         store while vLLM starts, where a short per-call bound chosen for the serving path would fail the
         engine's start on a momentarily busy host. ``host_cache_bytes`` > 0 puts a host-memory tier of that
         many bytes in front of the backend (:class:`~asyncconn.hosttier.HostTier`; :attr:`host_tier`).
+        ``local_url``: a store on this host in front of ``url`` (:class:`~asyncconn.layered.LayeredBackend`;
+        :attr:`layered`), behind the host tier when there is one.
         """
         parsed = url if isinstance(url, StoreURL) else parse_url(url)
         wait = timeout if connect_timeout is None else connect_timeout
@@ -118,6 +122,12 @@ class TensorStore:
             backend = await asyncio.wait_for(open_backend(parsed), wait)
         except TimeoutError:
             raise BackendTimeout(f"{redact(parsed.raw)}: could not connect within {wait:g}s") from None
+        if local_url is not None:
+            local = local_url if isinstance(local_url, StoreURL) else parse_url(local_url)
+            try:
+                backend = await asyncio.wait_for(_layered(backend, local), wait)
+            except TimeoutError:
+                raise BackendTimeout(f"{redact(local.raw)}: could not open within {wait:g}s") from None
         if host_cache_bytes > 0:
             backend = HostTier(backend, host_cache_bytes)
         return cls(backend, timeout=timeout, name=redact(parsed.raw))
@@ -126,6 +136,12 @@ class TensorStore:
     def host_tier(self) -> HostTier | None:
         """The host-memory tier in front of the store (its counters, ``on_evict``), if there is one."""
         return self.backend if isinstance(self.backend, HostTier) else None
+
+    @property
+    def layered(self) -> LayeredBackend | None:
+        """The local store in front of the shared one (its counters), if there is one."""
+        backend = self.backend.inner if isinstance(self.backend, HostTier) else self.backend
+        return backend if isinstance(backend, LayeredBackend) else None
 
     async def put(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Encode and store tensors (zero-copy of the payload: header and view are written as parts)."""
@@ -394,3 +410,12 @@ class _DirectRead:
                 self.verifier.feed_many(pieces)
             except CodecError as exc:
                 self.error = exc
+
+
+async def _layered(shared: StorageBackend, local: StoreURL) -> LayeredBackend:
+    """``shared`` behind the local store at ``local`` (closed again if that cannot be opened)."""
+    try:
+        return LayeredBackend(await open_backend(local), shared)
+    except BaseException:
+        await shared.close()
+        raise

@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from asyncconn.vllm.totals import HOST_COUNTERS
+from asyncconn.vllm.totals import HOST_COUNTERS, LOCAL_COUNTERS
 
 __all__ = ["EC_COUNTERS", "EC_GAUGES", "ec_prom_metrics", "kv_prom_metrics"]
 
@@ -50,6 +50,7 @@ EC_COUNTERS = (
     "saves_unconfirmed",
     "store_outages",
     *HOST_COUNTERS,
+    *LOCAL_COUNTERS,
 )
 #: EC gauges: processes (scheduler, workers) whose store is unreachable now.
 EC_GAUGES = ("store_unreachable",)

@@ -11,11 +11,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HOST_COUNTERS", "Totals", "host_mark", "host_totals", "store_totals"]
+__all__ = [
+    "HOST_COUNTERS",
+    "LOCAL_COUNTERS",
+    "Totals",
+    "host_mark",
+    "host_totals",
+    "local_mark",
+    "local_totals",
+    "store_totals",
+]
 
 #: The host tier's counters (``host_cache_bytes``), named alike for KV and EC: reads it served (never
 #: reaching the store), reads it passed to the store, bytes it served, values it evicted.
 HOST_COUNTERS = ("host_hits", "host_misses", "host_bytes_hit", "host_evictions")
+
+#: The local store's counters (``local_store_url``), named alike for KV and EC: reads it served (never
+#: reaching the shared store), reads it passed on, values read from the shared store and written locally,
+#: local reads or writes that failed.
+LOCAL_COUNTERS = ("local_hits", "local_misses", "local_fills", "local_errors")
 
 
 class Totals:
@@ -74,3 +88,24 @@ def host_totals(tier: Any) -> dict[str, int]:
 def host_mark(tier: Any) -> object:
     """The fingerprint of :func:`host_totals` for :class:`Totals` (None: no tier)."""
     return None if tier is None else (tier.stats.hits, tier.stats.misses, tier.stats.evictions)
+
+
+def local_totals(layered: Any) -> dict[str, int]:
+    """:data:`LOCAL_COUNTERS` of a store's local store (None: none, nothing)."""
+    if layered is None:
+        return {}
+    stats = layered.stats
+    return {
+        "local_hits": stats.local_hits,
+        "local_misses": stats.local_misses,
+        "local_fills": stats.fills,
+        "local_errors": stats.local_errors,
+    }
+
+
+def local_mark(layered: Any) -> object:
+    """The fingerprint of :func:`local_totals` for :class:`Totals` (None: no local store)."""
+    if layered is None:
+        return None
+    stats = layered.stats
+    return (stats.local_hits, stats.local_misses, stats.fills, stats.local_errors)

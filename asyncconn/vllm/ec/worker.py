@@ -39,7 +39,7 @@ from asyncconn.transfer import LoadResult, PinnedPool, SaveTracker, StreamLoader
 from asyncconn.transfer._device import LOAD_PRIORITY, SAVE_PRIORITY, TransferDevice, default_device
 from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.ec.metadata import ECStepMetadata, ECWorkerReport, ItemRef
-from asyncconn.vllm.totals import Totals, host_mark, host_totals, store_totals
+from asyncconn.vllm.totals import Totals, host_mark, host_totals, local_mark, local_totals, store_totals
 
 __all__ = ["ECWorkerSide"]
 
@@ -110,6 +110,7 @@ class ECWorkerSide:
             timeout=settings.store_timeout,
             connect_timeout=settings.connect_timeout,
             host_cache_bytes=settings.host_cache_bytes,
+            local_url=settings.local_store_url,
         )
         return self.runtime.run(opening, settings.connect_timeout + 1.0)
 
@@ -262,6 +263,7 @@ class ECWorkerSide:
         and the store's log lines quote."""
         totals = store_totals(getattr(self.store, "reachability", None))
         totals.update(host_totals(getattr(self.store, "host_tier", None)))
+        totals.update(local_totals(getattr(self.store, "layered", None)))
         saver = self.saver
         if saver is not None:
             totals.update(saves=saver.saved, saved_bytes=saver.saved_bytes)
@@ -273,7 +275,8 @@ class ECWorkerSide:
     def _totals_mark(self) -> object:
         reach, saver = getattr(self.store, "reachability", None), self.saver
         counts = (saver.saved, saver.failures.total()) if saver is not None else None
-        tier = host_mark(getattr(self.store, "host_tier", None))
+        store = self.store
+        tier = host_mark(getattr(store, "host_tier", None)), local_mark(getattr(store, "layered", None))
         return counts, None if reach is None else (reach.outages, reach.reachable), tier
 
     def has_pending_saves(self) -> bool:

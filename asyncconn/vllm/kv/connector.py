@@ -195,6 +195,7 @@ class AsyncConnKVConnector(
                     timeout=settings.store_timeout,
                     connect_timeout=settings.connect_timeout,
                     host_cache_bytes=settings.host_cache_bytes,
+                    local_url=settings.local_store_url,
                 ),
                 timeout=settings.connect_timeout + 1.0,
             )

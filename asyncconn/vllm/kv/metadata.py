@@ -19,7 +19,16 @@ from typing import Any
 
 from asyncconn.lookup.metrics import LATENCY_BUCKETS_MS
 from asyncconn.transfer.failures import Failure
-from asyncconn.vllm.totals import HOST_COUNTERS, Totals, host_mark, host_totals, store_totals
+from asyncconn.vllm.totals import (
+    HOST_COUNTERS,
+    LOCAL_COUNTERS,
+    Totals,
+    host_mark,
+    host_totals,
+    local_mark,
+    local_totals,
+    store_totals,
+)
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -34,6 +43,7 @@ __all__ = [
     "COUNTERS",
     "GAUGES",
     "HOST_COUNTERS",
+    "LOCAL_COUNTERS",
     "HISTOGRAMS",
     "AsyncConnKVMetadata",
     "AsyncConnKVStats",
@@ -102,8 +112,9 @@ class AsyncConnKVMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is
 #: save tracker's reasons, less ``not_cached`` (a load retried through staging, not a failure).
 CAUSES = tuple(f.value for f in Failure if f is not Failure.NOT_CACHED)
 
-#: The host tier's counters (``asyncconn.vllm.totals.HOST_COUNTERS``) are reported only when not zero (the
-#: tier is off by default, and vLLM logs the whole dict every interval).
+#: The host tier's and the local store's counters (``asyncconn.vllm.totals.HOST_COUNTERS``,
+#: ``LOCAL_COUNTERS``) are reported only when not zero (both are off by default, and vLLM logs the whole
+#: dict every interval).
 
 #: Counters (summed). ``tokens_*`` count tokens, ``bytes_*`` bytes on this worker. ``saves`` are values the
 #: store confirmed written; ``saves_submitted`` those handed to the save tracker; failed ones are counted in
@@ -132,6 +143,7 @@ COUNTERS = (
     "store_outages",
     "events_dropped",
     *HOST_COUNTERS,
+    *LOCAL_COUNTERS,
 )
 #: Gauges, carried as changes (summed like counters): ``store_unreachable`` is the number of processes
 #: (scheduler, workers) whose store is unreachable right now.
@@ -192,7 +204,7 @@ class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
         out: dict[str, int | float] = {
             name: int(self.data.get(name, 0))
             for name in (*COUNTERS, *GAUGES)
-            if not ("failures_" in name or name.startswith("host_")) or self.data.get(name)
+            if not ("failures_" in name or name.startswith(("host_", "local_"))) or self.data.get(name)
         }
         for name in HISTOGRAMS:
             counts: list[int] = self.data.get(name) or []
@@ -212,6 +224,7 @@ def worker_totals(saver: Any, loader: Any, store: Any, tokens_per_value: int) ->
     """A KV worker's totals from its save tracker, loader and store (see :data:`COUNTERS`)."""
     reach = getattr(store, "reachability", None)
     tier = getattr(store, "host_tier", None)
+    layered = getattr(store, "layered", None)
 
     def read() -> dict[str, int]:
         totals = {
@@ -227,6 +240,7 @@ def worker_totals(saver: Any, loader: Any, store: Any, tokens_per_value: int) ->
                 totals[f"load_failures_{reason.value}"] = n
         totals.update(store_totals(reach))
         totals.update(host_totals(tier))
+        totals.update(local_totals(layered))
         return totals
 
     def mark() -> object:
@@ -236,6 +250,7 @@ def worker_totals(saver: Any, loader: Any, store: Any, tokens_per_value: int) ->
             loader.failures.total(),
             None if reach is None else (reach.outages, reach.reachable),
             host_mark(tier),
+            local_mark(layered),
         )
 
     return Totals(read, mark)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from asyncconn.store import TensorStore
-from asyncconn.vllm.kv.metadata import HOST_COUNTERS, AsyncConnKVStats, worker_totals
+from asyncconn.vllm.kv.metadata import HOST_COUNTERS, LOCAL_COUNTERS, AsyncConnKVStats, worker_totals
 
 pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
 
@@ -37,4 +38,23 @@ async def test_worker_totals_report_the_tiers_counters_and_the_log_omits_them_wh
         stats.add(name, change)
     assert stats.reduce()["host_hits"] == 2
     await plain.close()
+    await store.close()
+
+
+async def test_worker_totals_report_the_local_stores_counters(tmp_path: Path) -> None:
+    saver = SimpleNamespace(saved=0, saved_bytes=0, failures=collections.Counter())
+    loader = SimpleNamespace(failures=collections.Counter())
+    assert not set(AsyncConnKVStats().reduce()) & set(LOCAL_COUNTERS)  # off: not in vLLM's log line
+    store = await TensorStore.open("memory://", local_url=f"file://{tmp_path}")
+    totals = worker_totals(saver, loader, store, 32)
+    layered = store.layered
+    assert layered is not None
+    value = torch.randn(16)
+    await store.put([("near", value)])
+    await layered.local.delete(["near"])
+    out = torch.empty(16)
+    assert await store.get_into("near", out)  # from the shared store, then written locally
+    assert await store.get_into("near", out)  # locally
+    assert totals.take() == {"local_hits": 1, "local_misses": 1, "local_fills": 1}
+    assert totals.take() == {}
     await store.close()

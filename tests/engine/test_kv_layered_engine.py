@@ -1,0 +1,71 @@
+"""A local ``file://`` store in front of ``redis://`` (``local_store_url``) in vLLM's real engine: a fresh
+engine on the same host loads a prefix from the local disk, byte for byte, without reading redis.
+
+Proof that redis was not read: its own command counters (``INFO commandstats``) show no read command run
+while the second engine served the prompts (its lookups, ``EXISTS``, still go to redis: it is the fleet's
+truth); a load that reached redis would have had to run one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm
+from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.vllm
+
+#: Commands that read a value's bytes (any read path of the redis backend).
+READS = ("get", "getrange", "mget", "hget", "hmget", "hgetall", "hstrlen", "substr")
+
+
+def _reads(server: RedisServer) -> int:
+    client = redis.Redis(port=server.port)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in READS)
+
+
+def test_a_fresh_engine_loads_from_the_local_disk_not_from_redis(
+    text_model: Path,
+    engines: list[Any],
+    kv_reference: dict[str, Any],
+    tmp_path: Path,
+    fresh_redis: RedisServer,
+) -> None:
+    local = tmp_path / "local"
+    kv = kv_config(backend_url=fresh_redis.url, local_store_url=f"file://{local}")
+    first = make_llm(text_model, kv=kv)
+    engines.append(first)
+    assert generate(first, PROMPTS) == kv_reference["tokens"]
+    probe = Probe(first)
+    assert_idle(probe)
+    saved = probe.kv_worker_connector().worker_side.saver.saved
+    assert saved > 0
+    files = [p for p in local.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert len(files) == saved  # every value written to both stores
+    close_llm(first)
+    engines.remove(first)
+
+    second = make_llm(text_model, kv=kv)
+    engines.append(second)
+    reads_before = _reads(fresh_redis)
+    assert generate(second, PROMPTS) == kv_reference["tokens"]
+    probe = Probe(second)
+    assert_idle(probe)
+    assert _reads(fresh_redis) == reads_before, "a load read redis"
+    worker = probe.kv_worker_connector().worker_side
+    layered = worker.store.layered
+    assert layered is not None
+    assert worker.loader.loaded > 0 and not worker.loader.failures
+    assert layered.stats.local_misses == 0 and layered.stats.fills == 0
+    assert probe.metrics()["vllm:external_prefix_cache_hits"] > 0
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
