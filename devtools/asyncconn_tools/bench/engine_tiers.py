@@ -8,6 +8,8 @@ another within a round, so a round's ratios compare engines timed seconds apart)
 - ``redis://`` with the host tier: the same engine times its prompts twice. The first pass loads from
   redis and fills the tier; after ``reset_prefix_cache`` (vLLM's own cache emptied) the second pass is
   served by the tier (warm). Its hits are counted, so a warm figure that the store served fails the bench.
+- ``redis://`` behind a local ``file://`` store (``local_store_url``, an empty directory each round): the
+  same two passes, the first filling the local store, the second served by it (its hits counted alike).
 
 Memory: the tier's bytes after every request against its bound, and the process's peak RSS while each
 engine ran (``VmHWM``, reset through ``/proc/self/clear_refs`` before each engine), with and without the
@@ -35,11 +37,13 @@ from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm
 
 __all__ = ["tier_decode_bench", "tiers_bench"]
 
-_FILE, _COLD, _TIER_COLD, _WARM = (
+_FILE, _COLD, _TIER_COLD, _WARM, _LOCAL_COLD, _LOCAL_WARM = (
     "file://",
     "redis:// cold",
     "redis:// + host tier, first pass (cold)",
     "redis:// + host tier, warm",
+    "redis:// + local file://, first pass (cold)",
+    "redis:// + local file://, warm",
 )
 
 
@@ -75,19 +79,25 @@ def tiers_bench(
     one = SamplingParams(max_tokens=1, temperature=0.0)
     engine_args = long_prompt_engine(tokens)
     workdir = Path(tempfile.mkdtemp(prefix="asyncconn-bench-tiers-"))
-    samples: dict[str, list[float]] = {name: [] for name in (_FILE, _COLD, _TIER_COLD, _WARM)}
+    names = (_FILE, _COLD, _TIER_COLD, _WARM, _LOCAL_COLD, _LOCAL_WARM)
+    samples: dict[str, list[float]] = {name: [] for name in names}
     per_round: dict[str, list[float]] = {name: [] for name in samples}
     peak_rss: dict[str, list[float]] = {"no tier (redis:// cold)": [], "host tier": []}
     tier_peak = 0
     tier_hits = 0
     expected_hits = 0
+    local_hits = 0
+    local_expected = 0
+    local_dirs = iter(range(1 << 20))
 
     def run(make: Callable[[], Any], passes: list[str], tiered: bool) -> None:
-        nonlocal tier_peak, tier_hits, expected_hits
+        nonlocal tier_peak, tier_hits, expected_hits, local_hits, local_expected
         _reset_peak_rss()
         llm = make_llm(model, kv=make(), **engine_args)
         probe = Probe(llm)
-        tier = probe.kv_worker_connector().worker_side.store.host_tier if tiered else None
+        store = probe.kv_worker_connector().worker_side.store
+        tier = store.host_tier if tiered else None
+        layered = store.layered
         try:
             this_run: dict[str, list[float]] = {}
             for index, name in enumerate(passes):
@@ -96,6 +106,7 @@ def tiers_bench(
                     if not llm.reset_prefix_cache():
                         raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
                 hits_before = tier.stats.hits if tier is not None else 0
+                local_before = layered.stats.local_hits if layered is not None else 0
                 timed = []
                 for text in texts:
                     started = time.perf_counter()
@@ -108,6 +119,9 @@ def tiers_bench(
                 if tier is not None and name == _WARM:
                     tier_hits += tier.stats.hits - hits_before
                     expected_hits += len(texts) * (tokens // 32)
+                if layered is not None and name == _LOCAL_WARM:
+                    local_hits += layered.stats.local_hits - local_before
+                    local_expected += len(texts) * (tokens // 32)
                 _say(f"{name}: TTFT {[round(x, 3) for x in timed]} s")
             probe.settle(timeout=300)
             loaded = probe.metrics().get("vllm:external_prefix_cache_hits", 0)
@@ -118,7 +132,7 @@ def tiers_bench(
                 per_round[name].append(statistics.median(timed))
         finally:
             close_llm(llm)
-        if passes[0] != _FILE:
+        if passes[0] in (_COLD, _TIER_COLD):
             peak_rss["host tier" if tiered else "no tier (redis:// cold)"].append(_peak_rss_mib())
 
     with _redis_url() as redis_url:
@@ -130,6 +144,13 @@ def tiers_bench(
                 [_TIER_COLD, _WARM],
                 True,
             ),
+            _LOCAL_WARM: (
+                lambda: kv_config(
+                    backend_url=redis_url, local_store_url=f"file://{workdir / f'local-{next(local_dirs)}'}"
+                ),
+                [_LOCAL_COLD, _LOCAL_WARM],
+                False,
+            ),
         }
         _fill_stores(model, {_FILE: configs[_FILE][0], _COLD: configs[_COLD][0]}, texts, engine_args)
         for round_ in range(rounds):
@@ -140,16 +161,21 @@ def tiers_bench(
     figures: dict[str, Any] = {"prompt tokens": tokens + 17, "host_cache_bytes": host_cache_bytes}
     for name, values in samples.items():
         figures[f"{name}: TTFT median s"] = round(statistics.median(values), 4)
-    for name in (_COLD, _TIER_COLD, _WARM):
+    for name in (_COLD, _TIER_COLD, _WARM, _LOCAL_COLD, _LOCAL_WARM):
         ratios = [r / f for r, f in zip(per_round[name], file_rounds, strict=True)]
         figures[f"{name} / file://, per round"] = [round(r, 3) for r in ratios]
         figures[f"{name} / file:// (median of the rounds)"] = round(statistics.median(ratios), 3)
     figures["warm passes: values served by the tier / values loaded"] = f"{tier_hits} / {expected_hits}"
+    figures["warm passes: values served by the local store / values loaded"] = (
+        f"{local_hits} / {local_expected}"
+    )
     figures["host tier bytes, most seen / bound"] = f"{tier_peak} / {host_cache_bytes}"
     for name, values in peak_rss.items():
         figures[f"peak RSS MiB while the engine ran, {name}"] = [round(v) for v in values]
     if expected_hits and tier_hits < expected_hits:
         _say(f"only {tier_hits} of {expected_hits} warm values came from the tier")
+    if local_expected and local_hits < local_expected:
+        _say(f"only {local_hits} of {local_expected} warm values came from the local store")
     title = f"TTFT over redis:// and the host tier on {tokens}-token prompts (text-100m, {rounds} rounds)"
     return {"title": title, "figures": figures}
 
