@@ -19,8 +19,8 @@ On a hybrid model whose windowed groups are stored apart (:mod:`asyncconn.vllm.k
 two kinds of questions, one per step at most: how many leading values' whole parts are there (``n``), then
 whether the window parts a hit of ``n`` needs are there, newest first; a missing one at value ``m`` ends
 every hit whose window holds it, so the next question is the window at ``m``, until one is complete or
-``n`` is 0. Saves store every value's whole part and the window parts of the values inside the window at
-the step's cut.
+``n`` is 0, or ``MAX_WINDOW_QUESTIONS`` have found no complete window (then the hit is 0). Saves store
+every value's whole part and the window parts of the values inside the window at the step's cut.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ from asyncconn.vllm.kv.metadata import (
 from asyncconn.vllm.kv.parts import ValueParts
 
 __all__ = ["IDLE_WAIT_S", "KVSchedulerSide"]
+
+#: Window questions one lookup asks at most on a split hybrid model. Each costs the request a scheduler step
+#: (the lookup is asynchronous); a window missing at value after value would otherwise hold it for one step
+#: per value, for an ever shorter hit. After these, the hit is 0 and the prompt is computed.
+MAX_WINDOW_QUESTIONS = 4
 
 #: Longest wait for outstanding lookups on a step that scheduled no tokens (see ``build_connector_meta``):
 #: a request arriving meanwhile is scheduled two milliseconds later at worst.
@@ -95,7 +100,8 @@ class KVSchedulerSide:
         self.sync_loads = sync_loads
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}  # request id -> values present, answered and not yet allocated
-        self._probes: dict[str, int] = {}  # request id -> the hit whose window parts are being asked about
+        # request id -> (the hit whose window parts are being asked about, window questions answered so far)
+        self._probes: dict[str, tuple[int, int]] = {}
         self._local: dict[str, int] = {}  # request id -> values in vLLM's own prefix cache, until allocated
         self._loads: list[LoadSpec] = []  # planned since the last build_connector_meta
         self._via_recv: set[str] = set()  # finished while loading, since the last build_connector_meta
@@ -153,8 +159,11 @@ class KVSchedulerSide:
         if parts.window is None:
             answer = self._ask(rid, self.keys, hashes[:usable])
             return None if answer is None else min(answer // self.keys.keys_per_value, usable)
-        n = self._probes.get(rid)
-        if n is None:
+        probe = self._probes.get(rid)
+        if probe is not None:
+            n, asked = probe
+        else:
+            asked = 0
             if parts.whole is None:
                 n = usable
             else:
@@ -165,11 +174,15 @@ class KVSchedulerSide:
                 n = min(answer // whole.keys_per_value, usable)
         window = parts.keys[parts.window]
         while n > 0:
+            if asked >= MAX_WINDOW_QUESTIONS:
+                n = 0  # recomputing costs less than another step's wait for a shorter hit
+                break
             need = hashes[parts.first_window_value(n) : n][::-1]  # newest first: a miss names the latest
             answer = self._ask(rid, window, need)
             if answer is None:
-                self._probes[rid] = n
+                self._probes[rid] = (n, asked)
                 return None
+            asked += 1
             present = answer // window.keys_per_value
             if present >= len(need):
                 break

@@ -142,8 +142,9 @@ def _hit(side: tuple[KVSchedulerSide, FakeTransport, Any], present: set[bytes], 
     [
         (range(8), [6, 7], 8, 2),  # the window at the full prefix was stored
         (range(8), [3, 4, 7], 5, 4),  # 6 missing: no hit of 7 or 8; 5 missing: none of 6; the window at 5
-        (range(5), [6, 7], 0, 6),  # the whole part ends at 5, where no window was stored: no hit
-        (range(8), [0], 1, 9),  # only the window of the first block: a hit of one block
+        (range(5), [6, 7], 0, 5),  # the whole part ends at 5, where no window was stored: 4 window questions
+        (range(8), [0], 0, 5),  # only the first block's window: a 1-block hit lies past the question cap
+        (range(8), [2, 3, 5], 4, 5),  # 7, 6, 4 missing: the window at 4 is the last question allowed
         (range(3), [1, 2], 3, 2),  # a short hit: the window at 3 is blocks 1 and 2
     ],
 )
