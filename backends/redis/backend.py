@@ -62,7 +62,7 @@ from .layout import (
     new_version,
     split_value,
 )
-from .reader import ChunkReader
+from .reader import ChunkReader, ReplyError
 from .removals import RemovalListener, Removals, parse_removals
 from .writer import chunked_write
 
@@ -150,6 +150,7 @@ class RedisBackend(StorageBackend):
         if refresh_on_hit and self._px is None:
             raise ConfigError(f"{scheme}:// URL: parameter 'refresh_on_hit' needs a ttl")
         self.refresh_on_hit = refresh_on_hit
+        self._getex = True  # the server takes GETEX (Redis 6.2+): found otherwise on the first refused one
 
     def _settings(
         self,
@@ -507,14 +508,27 @@ class RedisBackend(StorageBackend):
         read) and then copies it into ``targets``; a KV block value is usually below ``chunk_size``.
         """
         assert self._reader is not None
-        (got,) = await self._reader.mget_into([name], [tuple(targets)], max(size, self.chunk_size))
+        slot, largest = tuple(targets), max(size, self.chunk_size)
+        refreshed = self.refresh_on_hit and self._getex
+        if refreshed:
+            try:
+                got = await self._reader.getex_into(name, slot, largest, self._px)  # type: ignore[arg-type]  # set whenever refresh_on_hit is
+            except ReplyError as exc:
+                if not str(exc).startswith("ERR unknown command"):
+                    raise
+                self._getex = refreshed = False  # a server before 6.2: a PEXPIRE after each read instead
+                (got,) = await self._reader.mget_into([name], [slot], largest)
+        else:
+            (got,) = await self._reader.mget_into([name], [slot], largest)
         if got is None:
             return None
         if not isinstance(got, tuple):  # not received in place (a cluster redirection read it via redis-py)
             if len(got) != size:
                 return len(got)  # a string of another length: not this frame (the store reports it)
             fill(targets, got)
-        await self._refresh([name])
+            refreshed = False  # redis-py's read did not re-arm it
+        if not refreshed:
+            await self._refresh([name])
         return size
 
     async def _refresh(self, names: list[str]) -> None:

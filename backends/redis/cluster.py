@@ -110,7 +110,12 @@ class _NodeReaders(ChunkReader):
         return reader
 
     async def _request(
-        self, command: tuple[bytes, ...], names: Sequence[str], max_bulk: int, slots: Sequence[Slot]
+        self,
+        command: tuple[bytes, ...],
+        names: Sequence[str],
+        max_bulk: int,
+        slots: Sequence[Slot],
+        suffix: tuple[bytes, ...] = (),
     ) -> list[Reply]:
         if self._closed:
             raise BackendUnavailable("chunk reader is closed")
@@ -128,8 +133,10 @@ class _NodeReaders(ChunkReader):
             wanted = [names[i] for i in indexes]
             spots = [slots[i] for i in indexes] if slots else ()
             try:
-                got = await self._reader_for(node)._request(command, wanted, max_bulk, spots)
-            except ReplyError:  # MOVED / ASK / CLUSTERDOWN: let redis-py follow it
+                got = await self._reader_for(node)._request(command, wanted, max_bulk, spots, suffix)
+            except ReplyError as exc:  # MOVED / ASK / CLUSTERDOWN: let redis-py follow it
+                if command[0] != b"MGET" and not _redirected(exc):
+                    raise  # (GETEX on a server without it: the caller falls back)
                 values = await self._cluster.mget_nonatomic(wanted)
                 got = [bytearray(v) if v is not None else None for v in values]
             for i, reply in zip(indexes, got, strict=True):
@@ -304,3 +311,8 @@ class RedisClusterBackend(RedisBackend):
             raw = self._reader.held()
             out = {k: v + raw[k] for k, v in out.items()}
         return self._listeners_held(out)
+
+
+def _redirected(exc: ReplyError) -> bool:
+    """A reply error redis-py's cluster client resolves (the key moved, or the cluster is settling)."""
+    return str(exc).split(" ", 1)[0] in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")

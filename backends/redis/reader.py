@@ -362,11 +362,27 @@ class ChunkReader:
         replies = await self._request((b"MGET",), names, max_bulk, slots)
         return [r if isinstance(r, (memoryview, tuple, bytearray)) else None for r in replies]
 
+    async def getex_into(self, name: str, slot: Slot, max_bulk: int, px: int) -> Slot | bytearray | None:
+        """``GETEX name PX px``: :meth:`mget_into` of one value that also re-arms its ttl, in one command.
+
+        Why: a read with ``refresh_on_hit`` otherwise needs a second round trip for its ``PEXPIRE``. Needs
+        Redis 6.2 or later; an older server answers an error (:class:`ReplyError`), for the caller to fall
+        back on.
+        """
+        (reply,) = await self._request((b"GETEX",), [name], max_bulk, [slot], (b"PX", b"%d" % px))
+        return reply if isinstance(reply, (memoryview, tuple, bytearray)) else None
+
     async def _request(
-        self, command: tuple[bytes, ...], names: Sequence[str], max_bulk: int, slots: Sequence[Slot]
+        self,
+        command: tuple[bytes, ...],
+        names: Sequence[str],
+        max_bulk: int,
+        slots: Sequence[Slot],
+        suffix: tuple[bytes, ...] = (),
     ) -> list[Reply]:
-        """``command`` (``MGET``, or ``HMGET`` and its key) followed by ``names``, whose values are read."""
-        payload = _command(*command, *(n.encode() for n in names))
+        """``command`` (``MGET``, ``GETEX``, or ``HMGET`` and its key) followed by ``names``, whose values
+        are read, then ``suffix`` (``GETEX``'s options)."""
+        payload = _command(*command, *(n.encode() for n in names), *suffix)
         return await self._run(payload, 1, max_bulk, slots, skip_oversized=False)
 
     async def execute(

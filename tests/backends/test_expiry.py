@@ -176,6 +176,42 @@ async def test_redis_refresh_on_hit_rearms_the_ttl_of_a_value_read(
         await backend.close()
 
 
+async def _calls(raw: aioredis.Redis, *names: str) -> dict[str, int]:
+    stats = await raw.info("commandstats")
+    return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in names}
+
+
+@pytest.mark.parametrize("getex", [True, False], ids=["getex", "server-without-getex"])
+async def test_an_inline_read_rearms_the_ttl_in_its_one_command_or_falls_back_to_pexpire(
+    getex: bool,
+) -> None:
+    """With ``refresh_on_hit`` a value stored inline is read and re-armed by one ``GETEX``, not a ``GET``
+    and a ``PEXPIRE`` round trip; a server without ``GETEX`` (before Redis 6.2) gets the two."""
+    server = RedisServer(extra_args=() if getex else ("--rename-command", "GETEX", "")).start()
+    prefix = _prefix()
+    backend = await open_backend(f"{server.url}?prefix={prefix}&ttl=1h&chunk_size=64KiB&refresh_on_hit=1")
+    raw = aioredis.Redis(host="127.0.0.1", port=server.port)
+    try:
+        value = b"v" * 1000
+        await backend.put([("k", value)])
+        name = main_key(prefix, "k")
+        for _ in range(2):  # the second read: after a fallback, no GETEX is tried again
+            assert await raw.pexpire(name, 5000)
+            before = await _calls(raw, "getex", "pexpire", "get", "mget")
+            assert await _read_into(backend, "k", len(value)) == value
+            assert await raw.pttl(name) > 5000
+            after = await _calls(raw, "getex", "pexpire", "get", "mget")
+            change = {k: after[k] - before[k] for k in after}
+            if getex:
+                assert change == {"getex": 1, "pexpire": 0, "get": 0, "mget": 0}, change
+            else:
+                assert change["getex"] == 0 and change["pexpire"] == 1 and change["mget"] == 1, change
+    finally:
+        await raw.aclose()
+        await backend.close()
+        server.stop()
+
+
 async def test_cluster_refresh_on_hit_rearms_the_ttl_of_a_value_read(redis_cluster: RedisCluster) -> None:
     prefix = _prefix()
     backend = await open_backend(
