@@ -95,7 +95,7 @@ class RedisBackend(StorageBackend):
         ),
         "ttl": Param.duration(0.0, "expiry of everything written (0: never expires)"),
         "refresh_on_hit": Param.boolean(
-            False, "a read re-arms the value's ttl (one PEXPIRE in its round trip)"
+            False, "a read re-arms the value's ttl in its own round trip (GETEX, or PEXPIRE beside the read)"
         ),
         "chunk_size": Param.size(DEFAULT_CHUNK_SIZE, "values above this are split into chunks of this size"),
         "parallel": Param.count(4, "connections one value's chunks are fetched over at once"),
