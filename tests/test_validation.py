@@ -74,6 +74,7 @@ BAD: dict[str, list[Any]] = {
         "redis://h/0?ttl=inf",
     ],
     "endpoint": [5, True, "127.0.0.1:5555", "http://x:1", "tcp://"],
+    "local_url": [5, True, "not a url", "redis://127.0.0.1:6379/0", "memory://v", "file:///x?bogus=1"],
     "text": [None, 5, True, 1.5],
     "optional_text": [5, True, 1.5],
 }
@@ -88,6 +89,7 @@ GOOD: dict[str, list[tuple[Any, Any]]] = {
         ("redis://127.0.0.1:6379/0?prefix=a:", "redis://127.0.0.1:6379/0?prefix=a:"),
     ],
     "endpoint": [(None, None), ("", None), ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5555")],
+    "local_url": [(None, None), ("", None), ("file:///nvme/kv?max_bytes=1GiB", "file:///nvme/kv?max_bytes=1GiB")],
     "text": [("kv:", "kv:"), ("", "")],
     "optional_text": [(None, None), ("", None), ("/etc/key", "/etc/key")],
 }
@@ -104,6 +106,7 @@ def _kind(field: dataclasses.Field[Any]) -> str:
         parse_bool: "bool",
         config_module._url: "url",
         config_module._optional_endpoint: "endpoint",
+        config_module._optional_local_url: "local_url",
         config_module._text: "text",
         config_module._optional_text: "optional_text",
     }
