@@ -358,14 +358,16 @@ def _small(blocks: int) -> dict[str, int]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("late_reports", [0, 60], ids=["reported-on-time", "reported-60-steps-late"])
 def test_a_hybrid_models_preempted_requests_resume_with_the_connector(
-    gemma2_model: Path, engines: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gemma2_model: Path, engines: list[Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late_reports: int
 ) -> None:
     """Engine 1 saves the prompts; engine 2, under a cache that preempts, loads them, saves the blocks it
     computes, and loads those back when a preempted request resumes: a load planned for a preempted request
     reads a value past the prompt's full blocks, one holding tokens it generated itself, which only engine 2
     saved, before the preemption. Tokens equal a connector-less engine's under the same cache, which runs the
-    prompts one after the other."""
+    prompts one after the other. ``late_reports``: each finished load is reported that many steps late, as
+    a busy machine's loop thread does; with 64-token batches this hangs vLLM's scheduler (see above)."""
     blocks = PREEMPTING_CACHE_BLOCKS
     small = _small(blocks)
     url = f"file://{tmp_path / 'store'}"
@@ -423,6 +425,24 @@ def test_a_hybrid_models_preempted_requests_resume_with_the_connector(
         return lookup(request, num_computed_tokens)
 
     monkeypatch.setattr(connector, "get_num_new_matched_tokens", after_its_saves)
+    if late_reports:
+        worker_connector = probe.kv_worker_connector()
+        results = worker_connector.get_transfer_results
+        held: dict[str, int] = {}  # request id -> steps its finished load's report is still held back
+
+        def reported_late(finished: set[str]) -> Any:
+            out = results(finished)
+            assert not out.failed_recving, out.failed_recving  # held back with the report, were there any
+            held.update(dict.fromkeys(out.finished_recving, late_reports))
+            due = {rid for rid, left in held.items() if left <= 0}
+            for rid in held:
+                held[rid] -= 1
+            for rid in due:
+                del held[rid]
+            out.finished_recving = due
+            return out
+
+        monkeypatch.setattr(worker_connector, "get_transfer_results", reported_late)
     assert generate(llm, PROMPTS, max_tokens=40) == want
     metrics = probe.metrics()
     assert metrics["vllm:num_preemptions"] > 0, "the cache is not small enough"
