@@ -337,14 +337,14 @@ def test_sync_loads_are_refused_at_start_up_on_a_hybrid_model(gemma2_model: Path
 #
 # vLLM 0.32 admits an async load only into the free blocks less what the loads parked before it still need
 # (``Scheduler._inflight_prefill_reserved_blocks``), but its count of a sliding-window group's need is capped
-# by ``max_admission_blocks_per_request`` (the window plus ``max_num_batched_tokens``, in blocks) and then
+# by ``max_admission_blocks_per_request`` (about the window plus ``max_num_batched_tokens``, in blocks), then
 # compared with every position the request holds, the null blocks outside the window included
 # (``SingleTypeKVCacheManager.get_num_blocks_to_allocate``): a parked load longer than the cap reserves no
 # sliding-window block, one short of what it needs. With 64-token batches the cap is 5 blocks, and a
 # 23-block cache hangs whenever a load is still parked when a preempted request is admitted with its own:
 # the two end up holding all but one free block, each needing two, and waiting requests preempt nobody
 # (docs/kv.md, hybrid models). Batches of 256 tokens put the cap past max_model_len, so every reservation
-# here is exact and the same cache cannot hang.
+# here is exact and the same cache does not hang this way.
 PREEMPTING_CACHE_BLOCKS = 23
 BATCH_TOKENS = 256
 
