@@ -119,13 +119,29 @@ def test_redis_counters_show_the_bytes_and_gets_of_a_read(fresh_redis: RedisServ
     assert before["redis.keys"] == 1
     assert moved["redis.total_net_output_bytes"] >= 1 << 20
     assert moved["redis.keyspace_hits"] == 1 and moved["redis.calls.get"] == 1
+    # Nothing else moved: not the keys, not the counters' own INFO/DBSIZE (memory may shift by buffers).
+    assert set(moved) - {"redis.used_memory"} == {
+        "redis.total_net_input_bytes",
+        "redis.total_net_output_bytes",
+        "redis.keyspace_hits",
+        "redis.calls.get",
+    }
 
 
 def test_redis_counters_parse_commandstats_and_ignore_other_fields() -> None:
-    info = {"total_net_output_bytes": 10, "keyspace_hits": 2, "used_memory": 7, "cmdstat_mget": {"calls": 3}}
+    info = {
+        "total_net_output_bytes": 10,
+        "keyspace_hits": 2,
+        "used_memory": 7,
+        "cmdstat_mget": {"calls": 3},
+        "cmdstat_info": {"calls": 5},
+        "cmdstats_note": "x",
+    }
     counters = redis_counters(info, keys=4)
     assert counters["redis.total_net_output_bytes"] == 10 and counters["redis.calls.mget"] == 3
     assert counters["redis.keys"] == 4 and counters["redis.total_net_input_bytes"] == 0
+    # The benchmark's own INFO is not counted as the store's traffic.
+    assert not any(name.startswith("redis.calls.info") or "note" in name for name in counters)
 
 
 def test_checks_want_redis_bytes_out_and_an_empty_l1_for_lmcache_redis() -> None:

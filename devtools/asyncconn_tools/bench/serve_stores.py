@@ -62,6 +62,8 @@ _FALLBACK_CONFIG: dict[str, Any] = {
 }
 #: The redis ``INFO`` fields that say how much went in and out, and how many keys were read.
 _REDIS_STATS = ("total_net_input_bytes", "total_net_output_bytes", "keyspace_hits", "keyspace_misses")
+#: The commands the benchmark's own reading of the counters sends (its replies, a few KiB, stay in the bytes).
+_OWN_COMMANDS = ("hello", "info", "dbsize")
 #: Environment of every ``lmcache server``: no banner in the logs, no usage reports (nothing to reach).
 _LMCACHE_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
@@ -116,8 +118,9 @@ def redis_counters(info: Mapping[str, Any], keys: int) -> dict[str, float]:
     out["redis.keys"] = float(keys)
     out["redis.used_memory"] = float(info.get("used_memory", 0))
     for name, stats in info.items():
-        if name.startswith("cmdstat_") and isinstance(stats, Mapping):
-            out[f"redis.calls.{name.removeprefix('cmdstat_')}"] = float(stats.get("calls", 0))
+        command = name.removeprefix("cmdstat_")
+        if name != command and isinstance(stats, Mapping) and command not in _OWN_COMMANDS:
+            out[f"redis.calls.{command}"] = float(stats.get("calls", 0))
     return out
 
 
@@ -215,10 +218,15 @@ class LMCacheServer:
         return status
 
     def counters(self) -> dict[str, float]:
-        """Its own ``lmcache_*`` series from ``/metrics``, and the objects its L1 holds now."""
+        """Its own ``lmcache_*_total`` counters from ``/metrics`` (e.g. ``mp_lookup_hit_l2_tokens_total``:
+        tokens found only in L2), and the objects its L1 holds now."""
+
+        def wanted(name: str) -> bool:
+            return name.startswith("lmcache_") and name.endswith("_total")
+
         out = {
             f"lmcache.{name.removeprefix('lmcache_')}": value
-            for name, value in _prometheus(self._get("/metrics"), lambda n: n.startswith("lmcache_")).items()
+            for name, value in _prometheus(self._get("/metrics"), wanted).items()
         }
         manager = self.status().get("storage_manager", {})
         out["lmcache.l1_objects"] = float(manager.get("l1_manager", {}).get("total_object_count", 0))
