@@ -10,12 +10,18 @@ console script of vLLM's CPU build does not start) on its ``prefix_repetition`` 
 own local tokenizer (:mod:`asyncconn_tools.tiny_models` saves a word-level one beside the weights), so the
 same seed gives every server the same prompts. ``--stores lmcache`` adds the same shape with LMCache's
 ``LMCacheMPConnector`` and ``lmcache server`` (its multi-process mode), run from a separate environment
-(``--lmcache-venv``: vLLM's CPU build plus LMCache), since LMCache pins its own dependencies.
+(``--lmcache-venv``: vLLM's CPU build plus LMCache), since LMCache pins its own dependencies: there server
+2 loads from the ``lmcache server``'s own RAM. ``--stores lmcache-redis`` is LMCache's Redis path, the one
+to set beside ``redis``: a redis-server like ``redis``'s own behind LMCache's RESP L2 adapter, and a fresh
+``lmcache server`` (empty L1) for server 2 once the first one's stores to Redis have drained
+(:mod:`asyncconn_tools.bench.serve_stores` holds each store's strategy).
 
 Why servers start in parallel and are measured one at a time: a start costs 30-100 s of CPU on a small
 box and measures nothing, while a measurement must have the cores to itself (an idle server beside it only
 waits on its sockets). Store contents are proven, not assumed: each server's external prefix-cache hits
-and prompt tokens are read from its ``/metrics`` after its run.
+and prompt tokens are read from its ``/metrics`` after its run, and a Redis-backed store's ``INFO`` (bytes
+sent and received, keyspace hits, calls per command) and LMCache's own counters are read around each
+measured run (``store_during_run``; ``store_at_start``: keys held, LMCache's L1 objects).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,32 +41,28 @@ from pathlib import Path
 from typing import Any
 
 from asyncconn.cli import argtypes
+from asyncconn_tools.bench.serve_stores import LMCACHE_STORES, STORES, ServeStore, counter_deltas, make_store
 
 __all__ = ["add_arguments", "run"]
 
-_STORES = ("none", "file", "redis", "lmcache")
 _DEFAULT_STORES = "none,file,redis"
-_LABELS = {"file": "file://", "redis": "redis://", "lmcache": "LMCache (MP)"}
-_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vllm_kv_offload.json"
-#: What ``examples/vllm_kv_offload.json`` holds, for an installed package that ships without ``examples/``.
-_FALLBACK_CONFIG: dict[str, Any] = {
-    "kv_connector": "AsyncConnKVConnector",
-    "kv_connector_module_path": "asyncconn.vllm",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-    "kv_connector_extra_config": {},
-}
 #: The figures read from vLLM's client result, in the order they are reported.
 _FIGURES = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
+#: Store-side state reported as it was when a measured run started (the rest is reported as its change).
+_STATE = ("redis.keys", "redis.used_memory", "lmcache.l1_objects")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stores",
-        type=argtypes.choice_list(_STORES),
+        type=argtypes.choice_list(STORES),
         default=_DEFAULT_STORES,
-        help=f"comma-separated, of {', '.join(_STORES)} (default: {_DEFAULT_STORES}; lmcache needs "
-        "--lmcache-venv)",
+        help=f"comma-separated, of {', '.join(STORES)} (default: {_DEFAULT_STORES}). none: no connector; "
+        "file, redis: asyncconn's connector (redis: a redis-server of its own on a free port); lmcache: "
+        "LMCache's LMCacheMPConnector with one `lmcache server`, so server 2 loads from that process's RAM "
+        "(its L1); lmcache-redis: LMCache over a redis-server of its own (its RESP L2 adapter), with a "
+        "fresh `lmcache server` (empty L1) for server 2, so its hits come from Redis. The lmcache stores "
+        "need --lmcache-venv",
     )
     parser.add_argument(
         "--lmcache-venv",
@@ -94,17 +95,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--logs", type=Path, default=None, help="keep the servers' logs in this folder (default: a temp dir)"
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-
-
-def _kv_config(url: str, key_prefix: str) -> dict[str, Any]:
-    """The example config with only the store URL (and a key prefix of this run) changed."""
-    try:
-        config: dict[str, Any] = json.loads(_EXAMPLE.read_text())
-    except OSError:
-        config = json.loads(json.dumps(_FALLBACK_CONFIG))
-    config["kv_connector_extra_config"]["backend_url"] = url
-    config["kv_connector_extra_config"]["key_prefix"] = key_prefix
-    return config
 
 
 def _client_args(args: argparse.Namespace, model: Path, base_url: str) -> list[str]:
@@ -165,49 +155,6 @@ def _row(label: str, result: Mapping[str, Any], metrics: Mapping[str, float]) ->
     return row
 
 
-class _LMCacheServer:
-    """LMCache's own server in its multi-process mode (``lmcache server``), the store LMCacheMPConnector
-    talks to: what an operator comparing the two runs beside vLLM."""
-
-    def __init__(self, venv: Path, log_path: Path) -> None:
-        from asyncconn_tools.chaos.procs import free_port, wait_port
-
-        self.port = free_port()
-        self._log = log_path.open("ab")
-        args = [
-            str(venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self.port),
-            "--l1-size-gb", "4", "--l1-init-size-gb", "1", "--eviction-policy", "LRU",
-            "--supported-transfer-mode", "auto", "--http-host", "127.0.0.1", "--http-port", str(free_port()),
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                wait_port(self.port, timeout=1)
-                return
-            except RuntimeError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"lmcache server did not come up; its log: {log_path}") from None
-
-    def kv_config(self) -> dict[str, Any]:
-        return {
-            "kv_connector": "LMCacheMPConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port},
-        }
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-
 @contextlib.contextmanager
 def _servers(servers: Sequence[Any]) -> Iterator[None]:
     """Start ``servers`` together (their start-ups overlap), stop them all however the block ends."""
@@ -224,42 +171,57 @@ def _servers(servers: Sequence[Any]) -> Iterator[None]:
         stop_all(started, timeout=30)
 
 
+def _stores_of(args: argparse.Namespace) -> list[str]:
+    """The ``--stores`` names in the order they run; SystemExit when LMCache's are asked without its venv."""
+    given = str(args.stores).split(",")
+    stores = [s for s in STORES if s in given]
+    needing = [s for s in stores if s in LMCACHE_STORES]
+    if needing and args.lmcache_venv is None:
+        raise SystemExit(f"asyncconn bench serve: --stores {','.join(needing)} needs --lmcache-venv")
+    return stores
+
+
+def _checks(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, bool]:
+    """What a run must show to be reported as valid."""
+    second = [row for row in rows.values() if row["phase"] == 2]
+    from_redis = [row for row in second if "redis.keys" in row["store_at_start"]]
+    return {
+        "every request completed": all(row["failed"] == 0 for row in rows.values()),
+        "every server 2 loaded from its store": all(row["external_hit_tokens"] > 0 for row in second),
+        # A Redis-backed server 2 reads what it hits from Redis: bytes out of it during its run.
+        "every server 2 on redis read from redis": all(
+            row["store_during_run"].get("redis.total_net_output_bytes", 0) > 0 for row in from_redis
+        ),
+        # LMCache's server 2 runs beside a fresh lmcache server whose L1 held nothing before the run.
+        "LMCache's redis server 2 started with an empty L1": all(
+            row["store_at_start"].get("lmcache.l1_objects", 0) == 0
+            for row in second
+            if row["store"] == "lmcache-redis"
+        ),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
-    from asyncconn_tools.chaos.procs import RedisServer
     from asyncconn_tools.demo.report import print_summary
     from asyncconn_tools.openai_server import OpenAIServer
     from asyncconn_tools.tiny_models import build_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    stores = [s for s in _STORES if s in str(args.stores).split(",")]
+    names = _stores_of(args)
     model = build_model(args.model, progress=lambda msg: print(msg, file=sys.stderr))
     work = Path(tempfile.mkdtemp(prefix="asyncconn-bench-serve-"))
     logs: Path = args.logs or work
     logs.mkdir(parents=True, exist_ok=True)
-    if "lmcache" in stores and args.lmcache_venv is None:
-        raise SystemExit("asyncconn bench serve: --stores lmcache needs --lmcache-venv")
-    redis = RedisServer().start() if "redis" in stores else None
-    lmcache = _LMCacheServer(args.lmcache_venv, logs / "lmcache-server.log") if "lmcache" in stores else None
     tag = f"serve-{os.getpid()}-"
-    urls = {
-        "file": f"file://{work}/store?max_bytes=4GiB",
-        "redis": redis.url if redis is not None else "",
-    }
+    stores: list[ServeStore] = []
 
-    def server(name: str, store: str) -> OpenAIServer:
-        config: dict[str, Any] | None = None
-        python = sys.executable
-        if store == "lmcache":
-            assert lmcache is not None
-            config, python = lmcache.kv_config(), str(args.lmcache_venv / "bin" / "python")
-        elif store != "none":
-            config = _kv_config(urls[store], tag)
+    def server(store: ServeStore, phase: int) -> OpenAIServer:
         return OpenAIServer(
-            python=python,
+            python=store.python,
             model=model,
-            log_path=logs / f"{name}.log",
-            kv_transfer_config=config,
+            log_path=logs / f"{store.name}-{phase}.log",
+            kv_transfer_config=store.kv_config(phase),
             max_model_len=max(2048, args.prefix_len + args.suffix_len + args.output_len + 64),
             kv_cache_bytes=args.kv_cache_bytes,
             env={"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)},
@@ -268,28 +230,40 @@ def run(args: argparse.Namespace) -> int:
     rows: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
 
-    def measure(label: str, srv: OpenAIServer) -> None:
+    def measure(label: str, store: ServeStore, phase: int, srv: OpenAIServer) -> None:
         _warm_up(srv.base_url, model, srv.port)
+        before = store.counters()
         result = _drive(args, model, srv.base_url)
+        after = store.counters()
         rows[label] = _row(label, result, srv.metrics())
+        rows[label].update(
+            store=store.name,
+            phase=phase,
+            store_at_start={k: v for k, v in before.items() if k in _STATE},
+            store_during_run=counter_deltas(before, after),
+        )
 
     try:
+        for name in names:
+            stores.append(
+                make_store(name, work=work, logs=logs, key_prefix=tag, lmcache_venv=args.lmcache_venv)
+            )
         # Phase 1: every server 1 (and the connector-less reference) starts; each is measured alone.
-        first = {store: server(f"{store}-1", store) for store in stores}
-        with _servers(list(first.values())):
-            for store, srv in first.items():
-                label = "no connector" if store == "none" else f"{_LABELS[store]} server 1 (computes, saves)"
-                measure(label, srv)
+        first = [(store, server(store, 1)) for store in stores]
+        with _servers([srv for _, srv in first]):
+            for store, srv in first:
+                suffix = "" if store.name == "none" else " server 1 (computes, saves)"
+                measure(store.label + suffix, store, 1, srv)
+            for store in stores:
+                store.after_saves()
             # Phase 2: a fresh server 2 per store, started once server 1 has finished (its saves with it).
-            second = {store: server(f"{store}-2", store) for store in stores if store != "none"}
-            with _servers(list(second.values())):
-                for store, srv in second.items():
-                    measure(f"{_LABELS[store]} server 2 (fresh, loads)", srv)
+            second = [(store, server(store, 2)) for store in stores if store.name != "none"]
+            with _servers([srv for _, srv in second]):
+                for store, srv in second:
+                    measure(f"{store.label} server 2 (fresh, loads)", store, 2, srv)
     finally:
-        if redis is not None:
-            redis.stop()
-        if lmcache is not None:
-            lmcache.stop()
+        for store in stores:
+            store.stop()
         if args.logs is None:
             shutil.rmtree(work, ignore_errors=True)
     summary: dict[str, Any] = {
@@ -311,18 +285,23 @@ def run(args: argparse.Namespace) -> int:
         "figures": {
             label: " / ".join(f"{row[name]:.1f}" for name in _FIGURES)
             + f" ms (ttft p50/p99, itl p50/p99); external hits {row['external_hit_tokens']}"
-            f" of {row['prompt_tokens']} prompt tokens"
+            f" of {row['prompt_tokens']} prompt tokens" + _store_figure(row)
             for label, row in rows.items()
         },
-        "checks": {
-            "every request completed": all(row["failed"] == 0 for row in rows.values()),
-            "every server 2 loaded from its store": all(
-                row["external_hit_tokens"] > 0 for label, row in rows.items() if "server 2" in label
-            ),
-        },
+        "checks": _checks(rows),
     }
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print_summary(summary)
     return 0 if all(summary["checks"].values()) else 1
+
+
+def _store_figure(row: Mapping[str, Any]) -> str:
+    """What a Redis-backed store sent and received over the measured run, in the figures' line."""
+    if "redis.keys" not in row["store_at_start"]:
+        return ""
+    during = row["store_during_run"]
+    out = during.get("redis.total_net_output_bytes", 0) / (1 << 20)
+    into = during.get("redis.total_net_input_bytes", 0) / (1 << 20)
+    return f"; redis sent {out:.1f} MiB, received {into:.1f} MiB"
