@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from asyncconn_backends.file import FileBackend
@@ -21,6 +22,7 @@ from asyncconn import codec
 from asyncconn.backend import NOT_CACHED, open_backend
 from asyncconn.config import Settings
 from asyncconn.exceptions import BackendError, BackendUnavailable
+from asyncconn.hostarena import Extents
 from asyncconn.hosttier import HostLRU, HostTier
 from asyncconn.scattered import Scattered
 from asyncconn.store import Fetch, TensorStore
@@ -29,60 +31,114 @@ from tests.servers import RedisServer
 # -- the LRU ----------------------------------------------------------------------------------------------
 
 
+def _hold(lru: HostLRU, key: str, nbytes: int) -> bool:
+    """Reserve room for a value of ``nbytes`` and index it under ``key`` (as a filled write would)."""
+    extent = lru.reserve(nbytes)
+    if extent is None:
+        return False
+    lru.commit(key, extent)
+    return True
+
+
 def test_lru_evicts_least_recently_used_first_and_reports_it() -> None:
     evicted: list[list[str]] = []
-    lru = HostLRU(100, on_evict=lambda keys: evicted.append(list(keys)))
-    assert lru.put("a", b"a" * 40) and lru.put("b", b"b" * 40)
-    assert lru.get("a") == b"a" * 40  # a is now the most recently used
-    assert lru.put("c", b"c" * 40)
+    lru = HostLRU(100, align=1, on_evict=lambda keys: evicted.append(list(keys)))
+    assert _hold(lru, "a", 40) and _hold(lru, "b", 40)
+    assert lru.peek("a") is not None  # a is now the most recently used
+    assert _hold(lru, "c", 40)
     assert "b" not in lru and "a" in lru and "c" in lru
     assert evicted == [["b"]]
     assert lru.used == 80 and lru.stats.evictions == 1 and lru.stats.entries == 2
-    assert lru.put("d", b"d" * 100)  # evicts everything else, oldest first
+    assert _hold(lru, "d", 100)  # evicts everything else, oldest first
     assert evicted[1:] == [["a", "c"]] and lru.used == 100
 
 
 def test_lru_bypasses_a_value_over_the_bound_without_evicting() -> None:
-    lru = HostLRU(100)
-    lru.put("a", b"a" * 60)
-    assert not lru.put("big", b"x" * 101)
+    lru = HostLRU(100, align=1)
+    _hold(lru, "a", 60)
+    assert not _hold(lru, "big", 101)
     assert "big" not in lru and "a" in lru and lru.used == 60
     assert lru.stats.bypassed == 1 and lru.stats.evictions == 0
 
 
 def test_lru_never_evicts_a_pinned_value_and_bypasses_when_everything_is_pinned() -> None:
-    lru = HostLRU(100)
-    lru.put("a", b"a" * 50)
-    lru.put("b", b"b" * 50)
+    lru = HostLRU(100, align=1)
+    _hold(lru, "a", 50)
+    _hold(lru, "b", 50)
     entry = lru.pin("a")
     assert entry is not None
-    assert lru.put("c", b"c" * 50)  # b goes, not the older but pinned a
+    assert _hold(lru, "c", 50)  # b goes, not the older but pinned a
     assert "a" in lru and "b" not in lru
     pinned_c = lru.pin("c")
     assert pinned_c is not None
-    assert not lru.put("d", b"d" * 10)  # all held bytes are pinned: d does not fit, nothing evicted
+    assert not _hold(lru, "d", 10)  # all held bytes are pinned: d does not fit, nothing evicted
     assert "a" in lru and "c" in lru and lru.used == 100 and lru.stats.bypassed == 1
     lru.unpin(entry)
     lru.unpin(pinned_c)
     assert lru.stats.pinned == 0
-    assert lru.put("d", b"d" * 10)  # a, the least recently used, goes now
+    assert _hold(lru, "d", 10)  # a, the least recently used, goes now
     assert "a" not in lru and lru.used == 60
 
 
 def test_lru_counts_a_replaced_or_deleted_value_until_its_reader_ends() -> None:
-    lru = HostLRU(100)
-    lru.put("a", b"a" * 60)
+    lru = HostLRU(100, align=1)
+    _hold(lru, "a", 60)
     entry = lru.pin("a")
     assert entry is not None
-    assert lru.put("a", b"A" * 30)  # replaced under a reader: the old bytes are still in use
-    assert lru.used == 90 and entry.data == b"a" * 60
+    assert _hold(lru, "a", 30)  # replaced under a reader: the old bytes are still in use
+    assert lru.used == 90 and entry.detached
     # Even with the new 30 bytes evicted, 60 + 50 > 100: the old bytes cannot go before their reader.
-    assert not lru.put("b", b"b" * 50)
+    assert not _hold(lru, "b", 50)
     assert "a" in lru
     assert lru.discard(["a"]) == 1
     assert lru.used == 60
     lru.unpin(entry)
     assert lru.used == 0 and lru.stats.held_bytes == 0 and lru.stats.entries == 0 and lru.stats.pinned == 0
+
+
+def test_lru_counts_a_reservation_until_it_is_committed_or_released() -> None:
+    lru = HostLRU(100, align=1)
+    _hold(lru, "a", 50)
+    filling = lru.reserve(50)
+    assert filling is not None and lru.used == 100 and len(lru) == 1
+    assert not _hold(lru, "b", 60)  # a may go, not the room being filled: 50 + 60 > 100
+    assert "a" in lru
+    lru.release(filling)
+    assert lru.used == 50
+    since = lru.clock  # a fill's read starts
+    late = lru.reserve(20)
+    assert late is not None and lru.commit("late", late) is not None  # a write indexes "late" meanwhile
+    older = lru.reserve(10)
+    assert older is not None
+    # The fill, from before "late" was indexed, defers to it: its room is given back.
+    assert lru.commit("late", older, since=since) is None
+    assert lru.used == 70 and lru.stats.held_bytes == 70
+
+
+# -- the arena's extents ----------------------------------------------------------------------------------
+
+
+def test_extents_reuse_an_exact_run_coalesce_and_scatter_rather_than_fail() -> None:
+    extents = Extents(10 * 64, align=64)
+    a, b, c = (extents.take(100) for _ in range(3))  # two units each
+    assert a is not None and b is not None and c is not None
+    assert [a.runs, b.runs, c.runs] == [((0, 2),), ((2, 2),), ((4, 2),)] and extents.free_units == 4
+    extents.give(b)
+    again = extents.take(128)
+    assert again is not None and again.runs == b.runs  # the freed run of exactly that size, reused
+    extents.give(a)
+    extents.give(again)  # coalesces with a: units 0..4 free, and 6..10
+    assert extents.free_units == 8
+    whole = extents.take(8 * 64 - 1)  # no run of 8: taken in two runs, never refused
+    assert whole is not None and sorted(whole.runs) == [(0, 4), (6, 4)] and extents.free_units == 0
+    assert extents.take(1) is None
+    arena = np.arange(10 * 64, dtype=np.int64).astype(np.uint8)
+    assert sum(x.size for x in whole.arrays(arena, 64)) == 8 * 64 - 1
+    extents.give(whole)
+    with pytest.raises(AssertionError):
+        extents.give(whole)
+    extents.give(c)
+    assert extents.free_units == 10 and extents.take(10 * 64) is not None
 
 
 def test_setting_parses_sizes_and_defaults_to_off() -> None:
@@ -108,7 +164,7 @@ class _Gate:
 
 
 async def test_a_value_is_not_evicted_under_a_read_copying_out_of_it() -> None:
-    tier = HostTier(await open_backend("memory://"), 100)
+    tier = HostTier(await open_backend("memory://"), 100, align=1)
     value = bytes(range(60))
     await tier.put([("a", value)])
     dest = bytearray(60)
@@ -117,7 +173,7 @@ async def test_a_value_is_not_evicted_under_a_read_copying_out_of_it() -> None:
     assert await asyncio.to_thread(gate.entered.wait, 10)
     # b needs a's room; a is pinned, so b is not kept. (Straight into the index: a put's own copy would
     # queue behind this read's on the tier's one copy thread.)
-    assert not tier.lru.put("b", b"b" * 60)
+    assert tier.lru.reserve(60) is None
     assert tier.holds(["a", "b"]) == [True, False]
     assert tier.lru.used <= 100 and tier.stats.pinned == 1
     gate.release.set()
@@ -148,7 +204,7 @@ async def test_a_cancelled_read_ends_its_copy_before_the_cancellation_and_leaves
 
 
 async def test_a_write_the_store_refuses_is_not_kept() -> None:
-    tier = HostTier(MemoryBackend(max_bytes=10), 1000)
+    tier = HostTier(MemoryBackend(max_bytes=10), 1000, align=1)
     with pytest.raises(BackendUnavailable):
         await tier.put([("a", b"x" * 20)])
     assert tier.holds(["a"]) == [False] and tier.lru.used == 0
@@ -157,7 +213,7 @@ async def test_a_write_the_store_refuses_is_not_kept() -> None:
 
 async def test_a_write_over_the_bound_reaches_the_store_and_drops_the_older_value() -> None:
     evicted: list[str] = []
-    tier = HostTier(await open_backend("memory://"), 100, on_evict=evicted.extend)
+    tier = HostTier(await open_backend("memory://"), 100, align=1, on_evict=evicted.extend)
     await tier.put([("a", b"1" * 50)])
     await tier.put([("a", [b"2" * 60, b"2" * 60])])  # 120 bytes, in two chunks
     assert tier.holds(["a"]) == [False] and evicted == ["a"] and tier.stats.bypassed == 1
