@@ -326,9 +326,13 @@ class HostTier(StorageBackend):
         """Which keys the tier holds now (no store call): where a hit on them would be served from."""
         return [key in self.lru for key in keys]
 
-    def _reserve(self, nbytes: int) -> Extent | None:
-        """Room for a value, unless the arena could not be made (then the tier keeps nothing)."""
+    def _reserve(self, nbytes: int, *, fill: bool = False) -> Extent | None:
+        """Room for a value, unless the arena could not be made (then the tier keeps nothing). A read's
+        ``fill`` is not kept while the arena is still being made: a load never waits for it (a write,
+        off the engine's path, does: its copy runs after it)."""
         if self._closed or (self._arena.done() and self._arena.exception() is not None):
+            return None
+        if fill and not self._arena.done():
             return None
         return self.lru.reserve(nbytes)
 
@@ -408,7 +412,7 @@ class HostTier(StorageBackend):
             for i, chunks in zip(missing, found, strict=True):
                 out[i] = chunks
                 if chunks:
-                    extent = self._reserve(value_nbytes(chunks))
+                    extent = self._reserve(value_nbytes(chunks), fill=True)
                     if extent is not None:
                         fills.append((keys[i], extent, chunks))
             if fills:  # the store's chunks are ours: nothing else writes them meanwhile
@@ -526,7 +530,7 @@ class _Fill:
     def start(self, index: int) -> None:
         if self.closed or index in self.started:
             return
-        extent = self.tier._reserve(self.sizes[index])
+        extent = self.tier._reserve(self.sizes[index], fill=True)
         if extent is None:
             self.started[index] = None
             return

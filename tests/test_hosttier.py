@@ -349,3 +349,234 @@ async def test_the_store_removals_hook_set_on_the_tier_is_the_stores(tmp_path: P
         assert inner.on_removed is None
     finally:
         await tier.close()
+
+
+# -- the arena: memory, bound, reuse, fills during the read -----------------------------------------------
+
+
+class _Stepped(MemoryBackend):
+    """A store whose batch read lands its values one at a time, feeding each one's sink as it lands, and
+    waits for ``go`` after the first: a store still sending the rest of a load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_landed = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def get_into_many(
+        self, reads: Sequence[tuple[str, Sequence[memoryview], object]], *, cached_only: bool = False
+    ) -> list[int | None]:
+        out: list[int | None] = []
+        for n, read in enumerate(reads):
+            if n == 1:
+                self.first_landed.set()
+                await self.go.wait()
+            out.append(await self.get_into(*read))  # type: ignore[arg-type]
+        return out
+
+
+def _arena(tier: HostTier) -> np.ndarray:
+    return tier._arena.result()
+
+
+async def test_the_arena_is_made_once_within_the_bound_and_faulted_in() -> None:
+    tier = HostTier(await open_backend("memory://"), (1 << 20) + 50)
+    await tier.ready()
+    arena = _arena(tier)
+    assert arena.nbytes == tier.lru.extents.nbytes == 1 << 20  # the bound, in whole 64-byte units
+    # Faulted in at once: the pages are resident before any value is written (mincore through the mmap).
+    resident = _resident_pages(arena)
+    assert resident == arena.nbytes // os.sysconf("SC_PAGE_SIZE")
+    await tier.close()
+
+
+def _resident_pages(arena: np.ndarray) -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    address = arena.ctypes.data
+    start = address - address % page
+    length = arena.nbytes + (address - start)
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+async def test_the_bound_is_never_exceeded_and_every_hit_is_byte_equal() -> None:
+    """Random writes and reads of random sizes through a small tier: after every call the arena's bytes
+    taken (values held, filled, or pinned) are within the bound and add up to the values held."""
+    import random
+
+    rng = random.Random(5)
+    capacity = 64 << 10
+    tier = HostTier(await open_backend("memory://"), capacity)
+    written: dict[str, bytes] = {}
+    for step in range(400):
+        key = f"k{rng.randrange(40)}"
+        if rng.random() < 0.4 or key not in written:
+            size = rng.choice([1, 63, 64, 4096, 9000, 20_000, 70_000])
+            value = rng.randbytes(size)
+            if rng.random() < 0.5:
+                await tier.put([(key, value)])
+            else:
+                await tier.inner.put([(key, value)])
+                tier.lru.forget(key)  # (written around the tier: not what it holds)
+            written[key] = value
+        else:
+            keys = rng.sample(sorted(written), min(4, len(written)))
+            dests = [bytearray(len(written[k])) for k in keys]
+            reads = [(k, [memoryview(d)], None) for k, d in zip(keys, dests, strict=True)]
+            assert await tier.get_into_many(reads) == [len(d) for d in dests]  # type: ignore[arg-type]
+            assert [bytes(d) for d in dests] == [written[k] for k in keys], step
+        lru = tier.lru
+        assert lru.used <= capacity and lru.stats.pinned == 0
+        held_units = sum(lru.extents.units_for(len(written[k])) for k in written if k in lru)
+        assert lru.used == held_units * lru.extents.align, step  # nothing taken but what is held
+        assert lru.stats.held_bytes == sum(len(written[k]) for k in written if k in lru)
+    assert tier.stats.evictions > 0 and tier.stats.bypassed > 0 and tier.stats.hits > 0
+    await tier.close()
+
+
+async def test_an_evicted_values_room_is_reused_in_place() -> None:
+    size = 10_000
+    room = -(-size // 64) * 64
+    tier = HostTier(await open_backend("memory://"), 2 * room)
+    values = {k: os.urandom(size) for k in "abc"}
+    await tier.put([("a", values["a"])])
+    await tier.put([("b", values["b"])])
+    a_runs = tier.lru.peek("a").extent.runs  # type: ignore[union-attr]
+    tier.lru.peek("b")  # (peeking made a the most recently used: b is again)
+    await tier.put([("c", values["c"])])  # a, the least recently used, goes; c takes its room
+    assert tier.holds(["a", "b", "c"]) == [False, True, True]
+    assert tier.lru.peek("c").extent.runs == a_runs  # type: ignore[union-attr]
+    assert tier.lru.used == 2 * room
+    for key in "bc":
+        dest = bytearray(size)
+        assert await tier.get_into(key, [memoryview(dest)]) == size and bytes(dest) == values[key]
+    assert tier.stats.hits == 2
+    await tier.close()
+
+
+async def test_a_miss_is_copied_into_the_tier_while_the_store_still_sends_the_rest() -> None:
+    """The fill of a value starts when it lands, not after the store's read ends: with the store holding
+    back the second value, the first is already in the tier's memory. (The tier used to copy every value
+    after the store's read had returned, and the load waited for it.)"""
+    store = _Stepped()
+    tier = HostTier(store, 1 << 20)
+    first, second = os.urandom(5000), os.urandom(7000)
+    await store.put([("k0", first), ("k1", second)])
+    dests = [bytearray(5000), bytearray(7000)]
+    read = asyncio.ensure_future(
+        tier.get_into_many([("k0", [memoryview(dests[0])], None), ("k1", [memoryview(dests[1])], None)])
+    )
+    await asyncio.wait_for(store.first_landed.wait(), 10)
+    arena = _arena(tier)
+    for _ in range(1000):  # the copy runs on the tier's thread
+        if arena.tobytes().find(first) >= 0:
+            break
+        await asyncio.sleep(0.01)
+    assert arena.tobytes().find(first) >= 0, "the first value was not copied while the read went on"
+    assert not read.done() and tier.holds(["k0"]) == [False]  # indexed only once the read has returned it
+    store.go.set()
+    assert await read == [5000, 7000]
+    assert [bytes(d) for d in dests] == [first, second] and tier.holds(["k0", "k1"]) == [True, True]
+    await store.delete(["k0", "k1"])  # the tier answers alone now
+    again = [bytearray(5000), bytearray(7000)]
+    got = await tier.get_into_many(
+        [("k0", [memoryview(again[0])], None), ("k1", [memoryview(again[1])], None)]
+    )
+    assert got == [5000, 7000] and [bytes(d) for d in again] == [first, second]
+    await tier.close()
+
+
+async def test_a_read_cancelled_mid_fill_leaves_nothing_taken_nor_pinned() -> None:
+    store = _Stepped()
+    tier = HostTier(store, 1 << 20)
+    await store.put([("k0", b"0" * 5000), ("k1", b"1" * 5000)])
+    await tier.put([("hit", b"h" * 3000)])
+    taken = tier.lru.used
+    dests = [bytearray(3000), bytearray(5000), bytearray(5000)]
+    reads = [(k, [memoryview(d)], None) for k, d in zip(["hit", "k0", "k1"], dests, strict=True)]
+    read = asyncio.ensure_future(tier.get_into_many(reads))  # type: ignore[arg-type]
+    await asyncio.wait_for(store.first_landed.wait(), 10)
+    assert tier.lru.used > taken  # k0 landed: its room is taken, its copy queued
+    read.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    assert tier.lru.used == taken and tier.stats.pinned == 0
+    assert tier.holds(["hit", "k0", "k1"]) == [True, False, False]
+    assert tier.lru.extents.free_units * 64 + taken == tier.lru.extents.nbytes
+    await tier.close()
+
+
+class _HangingPut(MemoryBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing = asyncio.Event()
+
+    async def put(self, items: Sequence[tuple[str, object]]) -> None:  # type: ignore[override]
+        self.writing.set()
+        await asyncio.sleep(3600)
+
+
+async def test_a_write_cancelled_while_the_store_writes_is_not_kept_nor_its_room_taken() -> None:
+    store = _HangingPut()
+    tier = HostTier(store, 1 << 20)
+    write = asyncio.ensure_future(tier.put([("k", b"v" * 10_000)]))
+    await asyncio.wait_for(store.writing.wait(), 10)
+    write.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await write
+    assert tier.holds(["k"]) == [False] and tier.lru.used == 0
+    await tier.close()
+
+
+async def test_a_tier_whose_memory_cannot_be_made_keeps_nothing_and_passes_through() -> None:
+    def no_memory(nbytes: int) -> bytearray:
+        raise MemoryError(f"{nbytes}")
+
+    tier = HostTier(await open_backend("memory://"), 1 << 20, memory=no_memory)
+    with pytest.raises(MemoryError):
+        await tier.ready()
+    await tier.put([("k", b"v" * 100)])
+    dest = bytearray(100)
+    assert await tier.get_into("k", [memoryview(dest)]) == 100 and dest == b"v" * 100
+    assert await tier.get(["k"]) == [(b"v" * 100,)]
+    assert tier.holds(["k"]) == [False] and tier.lru.used == 0
+    await tier.close()
+
+
+async def test_a_tier_over_caller_memory_uses_it() -> None:
+    """The arena may come from a given allocator (a CUDA engine's pinned one): the tier writes there."""
+    given = torch.zeros(1 << 16, dtype=torch.uint8)
+    tier = HostTier(await open_backend("memory://"), 1 << 16, memory=lambda n: given[:n])
+    await tier.put([("k", b"\x07" * 1000)])
+    assert int((given == 7).sum()) == 1000
+    await tier.close()
+
+
+async def test_a_load_does_not_wait_for_the_tiers_memory_to_be_made() -> None:
+    """The arena is made on the copy thread after the tier is: a read meanwhile is served by the store and
+    not kept (it would wait behind the arena); a write waits (its copy runs after) and is kept."""
+    making = threading.Event()
+
+    def slow_memory(nbytes: int) -> bytearray:
+        assert making.wait(10)
+        return bytearray(nbytes)
+
+    tier = HostTier(await open_backend("memory://"), 1 << 20, memory=slow_memory)
+    await tier.inner.put([("k", b"v" * 1000)])
+    dest = bytearray(1000)
+    got = await asyncio.wait_for(tier.get_into_many([("k", [memoryview(dest)], None)]), 5)
+    assert got == [1000] and dest == b"v" * 1000 and tier.holds(["k"]) == [False] and tier.lru.used == 0
+    write = asyncio.ensure_future(tier.put([("w", b"w" * 1000)]))
+    await asyncio.sleep(0.05)
+    assert not write.done()  # its copy waits for the memory
+    making.set()
+    await asyncio.wait_for(write, 10)
+    assert tier.holds(["w"]) == [True]
+    await tier.get_into_many([("k", [memoryview(dest)], None)])
+    assert tier.holds(["k"]) == [True]
+    await tier.close()
