@@ -32,7 +32,9 @@ it: the engine's first pass over a remote store took twice as long with the tier
 - it starts as soon as a value has landed, while the store still sends the next ones: the tier hands the
   store a sink of its own that passes every piece on to the caller's sink and, when a value's last byte has
   landed, reserves its extent and queues its copy. When the store's read ends, only the copy of the values
-  that landed last is left to wait for;
+  that landed last is left to wait for. (A read without a sink is handed to the store as it is -- a sink
+  changes what some stores do -- and its fill starts when the read ends; ``TensorStore`` gives every read
+  one, its frame check);
 - a value is indexed only after the store's read has returned it whole; a failed or cancelled read drops
   its fills (waiting first for copies in flight: they read the caller's buffers).
 
@@ -514,8 +516,10 @@ class _Fill:
         self.closed = False
         self.sizes = [sum(d.nbytes for d in dests) for _, dests, _ in reads]
         self.started: dict[int, tuple[Extent, concurrent.futures.Future[None]] | None] = {}
+        # A read without a sink is handed on as it is: a sink changes what some stores do (Mooncake checks
+        # a value as it feeds it, and no longer reads a torn one again), so its fill starts after the read.
         self.reads: list[IntoRead] = [
-            (key, dests, _Landing(self, i, sink, size))
+            (key, dests, _Landing(self, i, sink, size) if sink is not None else None)
             for i, ((key, dests, sink), size) in enumerate(zip(reads, self.sizes, strict=True))
         ]
 
@@ -585,7 +589,7 @@ class _Landing:
 
     __slots__ = ("fed", "fill", "index", "sink", "size", "verifies_value")
 
-    def __init__(self, fill: _Fill, index: int, sink: Sink | None, size: int) -> None:
+    def __init__(self, fill: _Fill, index: int, sink: Sink, size: int) -> None:
         self.fill = fill
         self.index = index
         self.sink = sink
@@ -595,13 +599,11 @@ class _Landing:
         self.verifies_value = sink_verifies(sink)
 
     def __call__(self, piece: memoryview) -> None:
-        if self.sink is not None:
-            self.sink(piece)
+        self.sink(piece)
         self._count(piece.nbytes)
 
     def feed_many(self, pieces: Sequence[memoryview]) -> None:
-        if self.sink is not None:
-            feed_sink(self.sink, pieces)
+        feed_sink(self.sink, pieces)
         self._count(sum(p.nbytes for p in pieces))
 
     def _count(self, nbytes: int) -> None:

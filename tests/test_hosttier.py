@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -375,6 +375,10 @@ class _Stepped(MemoryBackend):
         return out
 
 
+def _count_into(fed: list[int]) -> Callable[[memoryview], None]:
+    return lambda piece: fed.append(piece.nbytes)
+
+
 def _arena(tier: HostTier) -> np.ndarray:
     return tier._arena.result()
 
@@ -468,8 +472,14 @@ async def test_a_miss_is_copied_into_the_tier_while_the_store_still_sends_the_re
     first, second = os.urandom(5000), os.urandom(7000)
     await store.put([("k0", first), ("k1", second)])
     dests = [bytearray(5000), bytearray(7000)]
+    fed: list[int] = []  # (a read has a sink, as TensorStore's have: the tier's own wraps it)
     read = asyncio.ensure_future(
-        tier.get_into_many([("k0", [memoryview(dests[0])], None), ("k1", [memoryview(dests[1])], None)])
+        tier.get_into_many(
+            [
+                ("k0", [memoryview(dests[0])], _count_into(fed)),
+                ("k1", [memoryview(dests[1])], _count_into(fed)),
+            ]
+        )
     )
     await asyncio.wait_for(store.first_landed.wait(), 10)
     arena = _arena(tier)
@@ -482,6 +492,7 @@ async def test_a_miss_is_copied_into_the_tier_while_the_store_still_sends_the_re
     store.go.set()
     assert await read == [5000, 7000]
     assert [bytes(d) for d in dests] == [first, second] and tier.holds(["k0", "k1"]) == [True, True]
+    assert fed == [5000, 7000]  # the caller's sinks saw every byte
     await store.delete(["k0", "k1"])  # the tier answers alone now
     again = [bytearray(5000), bytearray(7000)]
     got = await tier.get_into_many(
@@ -498,7 +509,8 @@ async def test_a_read_cancelled_mid_fill_leaves_nothing_taken_nor_pinned() -> No
     await tier.put([("hit", b"h" * 3000)])
     taken = tier.lru.used
     dests = [bytearray(3000), bytearray(5000), bytearray(5000)]
-    reads = [(k, [memoryview(d)], None) for k, d in zip(["hit", "k0", "k1"], dests, strict=True)]
+    fed: list[int] = []
+    reads = [(k, [memoryview(d)], _count_into(fed)) for k, d in zip(["hit", "k0", "k1"], dests, strict=True)]
     read = asyncio.ensure_future(tier.get_into_many(reads))  # type: ignore[arg-type]
     await asyncio.wait_for(store.first_landed.wait(), 10)
     assert tier.lru.used > taken  # k0 landed: its room is taken, its copy queued
