@@ -516,6 +516,7 @@ class _Fill:
         self.closed = False
         self.sizes = [sum(d.nbytes for d in dests) for _, dests, _ in reads]
         self.started: dict[int, tuple[Extent, concurrent.futures.Future[None]] | None] = {}
+        self.jobs: list[concurrent.futures.Future[None]] = []  # every copy queued (some values twice)
         # A read without a sink is handed on as it is: a sink changes what some stores do (Mooncake checks
         # a value as it feeds it, and no longer reads a torn one again), so its fill starts after the read.
         self.reads: list[IntoRead] = [
@@ -538,22 +539,35 @@ class _Fill:
         if extent is None:
             self.started[index] = None
             return
+        self.started[index] = (extent, self._copy(index, extent))
+
+    def _copy(self, index: int, extent: Extent) -> concurrent.futures.Future[None]:
         _, dests, _ = self.reads[index]
         job = self.tier._copier.submit(
             _fill_values, self.tier._arena, self.tier.lru.extents.align, [("", extent, dests)]
         )
-        self.started[index] = (extent, job)
+        self.jobs.append(job)
+        return job
 
     async def finish(self, lengths: list[int | None]) -> None:
         """Start the fills of values read whole that no sink started, wait for every copy, and index the
-        values read whole (a copy that failed, or of a value not read whole, is given up)."""
+        values read whole (a copy that failed, or of a value not read whole, is given up).
+
+        A value whose sink was fed other than exactly once (a layered store read it locally, failed, and
+        read it again from the shared store) is copied again now that its bytes are final: the copy thread
+        runs jobs in order, so the later copy is what the tier holds."""
         whole = {i for i, (got, size) in enumerate(zip(lengths, self.sizes, strict=True)) if got == size}
         for i in sorted(whole):
-            self.start(i)
+            started = self.started.get(i)
+            landing = self.reads[i][2]
+            if started is not None and not (isinstance(landing, _Landing) and landing.fed == self.sizes[i]):
+                extent = started[0]
+                self.started[i] = (extent, self._copy(i, extent))
+            else:
+                self.start(i)
         self.closed = True
-        jobs = [started[1] for started in self.started.values() if started is not None]
         try:
-            await _all_ended(jobs)
+            await _all_ended(self.jobs)
         except BaseException:  # cancelled (once the copies have ended)
             self._give_up()
             raise
@@ -570,9 +584,8 @@ class _Fill:
         """The store's read failed or was cancelled: wait for the copies in flight (they read the caller's
         buffers), then give every reservation up."""
         self.closed = True
-        jobs = [started[1] for started in self.started.values() if started is not None]
         try:
-            await _all_ended(jobs)
+            await _all_ended(self.jobs)
         finally:
             self._give_up()
 

@@ -19,7 +19,7 @@ from asyncconn_backends.file import FileBackend
 from asyncconn_backends.memory import MemoryBackend
 
 from asyncconn import codec
-from asyncconn.backend import NOT_CACHED, open_backend
+from asyncconn.backend import NOT_CACHED, feed_sink, open_backend
 from asyncconn.config import Settings
 from asyncconn.exceptions import BackendError, BackendUnavailable
 from asyncconn.hostarena import Extents
@@ -591,4 +591,34 @@ async def test_a_load_does_not_wait_for_the_tiers_memory_to_be_made() -> None:
     assert tier.holds(["w"]) == [True]
     await tier.get_into_many([("k", [memoryview(dest)], None)])
     assert tier.holds(["k"]) == [True]
+    await tier.close()
+
+
+class _LandsTwice(MemoryBackend):
+    """A store that lands every value twice, feeding its sink each time: first other bytes, then the value
+    (as a layered store does when its local read fails and the shared store is read instead)."""
+
+    async def get_into_many(
+        self, reads: Sequence[tuple[str, Sequence[memoryview], object]], *, cached_only: bool = False
+    ) -> list[int | None]:
+        for _, dests, sink in reads:
+            for dest in dests:
+                dest.cast("B")[:] = b"\xee" * dest.nbytes
+            feed_sink(sink, list(dests))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)  # (the first landing's copy runs meanwhile)
+        return await super().get_into_many(reads)  # type: ignore[arg-type]
+
+
+async def test_a_value_landed_twice_is_held_as_it_landed_last() -> None:
+    store = _LandsTwice()
+    tier = HostTier(store, 1 << 20)
+    await tier.ready()
+    value = os.urandom(3000)
+    await store.put([("k", value)])
+    dest = bytearray(3000)
+    assert await tier.get_into_many([("k", [memoryview(dest)], lambda piece: None)]) == [3000]
+    assert dest == value and tier.holds(["k"]) == [True]
+    await store.delete(["k"])
+    again = bytearray(3000)
+    assert await tier.get_into("k", [memoryview(again)]) == 3000 and again == value  # from the tier
     await tier.close()
