@@ -2,8 +2,8 @@
 
 Why an arena: the tier used to keep each value as a new ``bytes`` object. Every fill then paid for fresh
 memory -- with values of about a MiB, glibc maps each one anew and the kernel faults in and zeroes every
-page of it -- on top of the copy itself; a 112 MiB prefix took about five times as long to copy into new
-objects as into memory already mapped, and the engine's first pass through the tier waited for it. The
+page of it -- on top of the copy itself, several times the copy's own cost, and the engine's first pass
+through the tier waited for it. The
 arena is mapped and faulted in once when the tier is made (``MAP_POPULATE``), on the tier's copy thread, so
 the tier's memory is known from the start (its bound, resident) and a fill is a plain memory copy. On a
 CUDA engine the connector hands the tier its device's pinned allocator instead (page-locked memory; see

@@ -26,7 +26,7 @@ thread, with the GIL released for large buffers, so neither the loop nor vLLM's 
 A miss's fill, and why it is done this way. The caller reuses its buffers once ``get_into_many`` returns,
 so a copy into the tier from them cannot run after the read returns. It used to run after the store's read
 had ended, into new ``bytes`` (fresh memory: page faults as well as a copy), and the load waited for all of
-it: the engine's first pass over a remote store took twice as long with the tier as without it. Now:
+it: the engine's first pass over a remote store took far longer with the tier than without it. Now:
 
 - the fill goes into the arena (memory already faulted in): a plain copy;
 - it starts as soon as a value has landed, while the store still sends the next ones: the tier hands the
@@ -36,11 +36,18 @@ it: the engine's first pass over a remote store took twice as long with the tier
   changes what some stores do -- and its fill starts when the read ends; ``TensorStore`` gives every read
   one, its frame check);
 - a value is indexed only after the store's read has returned it whole; a failed or cancelled read drops
-  its fills (waiting first for copies in flight: they read the caller's buffers).
+  its fills (waiting first for copies in flight: they read the caller's buffers). A value whose sink was fed
+  other than exactly once (a layered store that read it locally, failed, and read it from the shared store
+  over it) is copied again when the read ends: the copy thread runs in order, so the tier holds what
+  landed last;
+- while the arena is still being made (just after the tier is), a read's values are not kept: a load never
+  waits behind the arena. A write's copy does wait for it (a save is off the engine's path).
 
-Reading a miss into the arena first and copying it out to the caller would also have kept the source valid,
-but puts that copy on the load's path for every value, after its bytes have arrived; and it would make the
-store write into the tier's memory rather than the caller's (on a CPU engine, the KV cache itself).
+Reading a miss into the arena first and copying it out to the caller would also keep the source valid, and
+costs the same one copy. It was not done because the store would then write the tier's memory instead of
+the caller's: the caller's sink (its checksum, fed as each value lands, on warm bytes) would have to be fed
+by the tier after its copy out, and a store that checks as it reads (Mooncake) would check the tier's
+bytes, not the caller's. As built, the store's read is exactly what it is without the tier.
 """
 
 from __future__ import annotations
