@@ -507,6 +507,8 @@ class HostTier(StorageBackend):
             self.lru.clear()
             # Copies already queued still run (they hold the arena); the memory goes with the last of them.
             self._copier.shutdown(wait=False)
+            self._arena = concurrent.futures.Future()
+            self._arena.set_exception(RuntimeError("the host tier is closed"))
             await self.inner.close()
 
 

@@ -622,3 +622,16 @@ async def test_a_value_landed_twice_is_held_as_it_landed_last() -> None:
     again = bytearray(3000)
     assert await tier.get_into("k", [memoryview(again)]) == 3000 and again == value  # from the tier
     await tier.close()
+
+
+async def test_closing_the_tier_gives_its_memory_back() -> None:
+    import gc
+    import weakref
+
+    tier = HostTier(await open_backend("memory://"), 1 << 20)
+    await tier.put([("k", b"v" * 1000)])
+    arena = weakref.ref(_arena(tier))
+    await tier.close()
+    await asyncio.sleep(0.05)  # (the copy thread lets its last job go)
+    gc.collect()
+    assert arena() is None
