@@ -33,6 +33,7 @@ from asyncconn.exceptions import (
     FrameMismatch,
     InvalidInput,
 )
+from asyncconn.hostarena import HostMemory
 from asyncconn.hosttier import HostTier
 from asyncconn.layered import LayeredBackend
 from asyncconn.reachability import Reachability
@@ -106,15 +107,17 @@ class TensorStore:
         connect_timeout: float | None = None,
         host_cache_bytes: int = 0,
         local_url: str | StoreURL | None = None,
+        host_memory: HostMemory | None = None,
     ) -> TensorStore:
         """Connect and return a store whose calls are bounded by ``timeout``.
 
         ``connect_timeout`` (default: ``timeout``) bounds only this first connection. Connectors open their
         store while vLLM starts, where a short per-call bound chosen for the serving path would fail the
         engine's start on a momentarily busy host. ``host_cache_bytes`` > 0 puts a host-memory tier of that
-        many bytes in front of the backend (:class:`~asyncconn.hosttier.HostTier`; :attr:`host_tier`).
-        ``local_url``: a store on this host in front of ``url`` (:class:`~asyncconn.layered.LayeredBackend`;
-        :attr:`layered`), behind the host tier when there is one.
+        many bytes in front of the backend (:class:`~asyncconn.hosttier.HostTier`; :attr:`host_tier`);
+        ``host_memory`` makes its memory (default: anonymous memory faulted in at once; a CUDA engine's
+        pinned allocator). ``local_url``: a store on this host in front of ``url``
+        (:class:`~asyncconn.layered.LayeredBackend`; :attr:`layered`), behind the host tier when there is one.
         """
         parsed = url if isinstance(url, StoreURL) else parse_url(url)
         wait = timeout if connect_timeout is None else connect_timeout
@@ -129,7 +132,7 @@ class TensorStore:
             except TimeoutError:
                 raise BackendTimeout(f"{redact(local.raw)}: could not open within {wait:g}s") from None
         if host_cache_bytes > 0:
-            backend = HostTier(backend, host_cache_bytes)
+            backend = HostTier(backend, host_cache_bytes, memory=host_memory)
         return cls(backend, timeout=timeout, name=redact(parsed.raw))
 
     @property

@@ -237,7 +237,9 @@ class CudaDevice(TransferDevice):
         return True
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        with _normal_tensors():
+        # Any thread may ask (the host tier makes its memory on its copy thread): the memory belongs to this
+        # device's context, not to the calling thread's current device.
+        with _normal_tensors(), torch.cuda.device(self.device):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

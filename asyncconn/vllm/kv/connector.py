@@ -188,6 +188,7 @@ class AsyncConnKVConnector(
     ) -> KVWorkerSide:
         settings = self.settings
         runtime = get_runtime()
+        load_device, save_device = engine_devices()  # a side stream each: loads never queue behind saves
         try:
             store = runtime.run(
                 TensorStore.open(
@@ -196,6 +197,8 @@ class AsyncConnKVConnector(
                     connect_timeout=settings.connect_timeout,
                     host_cache_bytes=settings.host_cache_bytes,
                     local_url=settings.local_store_url,
+                    # On CUDA the tier's memory is page-locked, like staging (not run on a GPU yet).
+                    host_memory=load_device.alloc_host if load_device.pinned else None,
                 ),
                 timeout=settings.connect_timeout + 1.0,
             )
@@ -203,7 +206,6 @@ class AsyncConnKVConnector(
             raise BackendTimeout(
                 f"{redact(settings.backend_url)}: not open after {settings.connect_timeout:g}s"
             ) from None
-        load_device, save_device = engine_devices()  # a side stream each: loads never queue behind saves
         pool = PinnedPool(settings.pinned_pool_bytes, device=load_device)
         loader = StreamLoader(  # rows: a poll's values scattered together from one tensor (CUDA)
             store,

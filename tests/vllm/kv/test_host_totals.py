@@ -30,7 +30,9 @@ async def test_worker_totals_report_the_tiers_counters_and_the_log_omits_them_wh
     assert await store.get_into("a", out) and await store.get_into("a", out)
     assert not await store.get_into("b", out)
     taken = totals.take()
-    size = len(store.host_tier.lru.get("a") or b"")  # type: ignore[union-attr]
+    held = store.host_tier.lru.peek("a")  # type: ignore[union-attr]
+    assert held is not None
+    size = held.extent.size
     assert taken == {"host_hits": 2, "host_misses": 1, "host_bytes_hit": 2 * size}
     assert totals.take() == {}
     stats = AsyncConnKVStats()
