@@ -154,6 +154,10 @@ class HostLRU:
         self._index: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self._pinned_units = 0  # indexed entries with readers: not evictable
         self._indexed_units = 0
+        self._claims: dict[str, list[_Entry]] = {}  # owner -> entries it pinned with :meth:`claim`
+        # The index is the loop thread's, but :meth:`claim` / :meth:`unclaim` come from vLLM's scheduler
+        # thread: every change is made under this lock (held for index work only, never across a copy).
+        self._lock = threading.Lock()
 
     @property
     def used(self) -> int:
@@ -167,6 +171,36 @@ class HostLRU:
 
     def pin(self, key: str) -> _Entry | None:
         """The entry under ``key``, marked most recently used and pinned; ``None`` when not held."""
+        with self._lock:
+            return self._pin(key)
+
+    def unpin(self, entry: _Entry) -> None:
+        with self._lock:
+            self._unpin(entry)
+
+    def claim(self, owner: str, keys: Sequence[str]) -> list[bool]:
+        """Pin each of ``keys`` the tier holds for ``owner`` until :meth:`unclaim` (any thread): which were
+        held. A claimed value stays readable -- never evicted, its memory never reused -- so a load planned
+        on the claim is served by the tier. Claiming again for an owner adds to its claims."""
+        with self._lock:
+            entries = [self._pin(key) for key in keys]
+            held = [entry for entry in entries if entry is not None]
+            if held:
+                self._claims.setdefault(owner, []).extend(held)
+        return [entry is not None for entry in entries]
+
+    def unclaim(self, owner: str) -> None:
+        """Release ``owner``'s claims (any thread; nothing when it has none)."""
+        with self._lock:
+            for entry in self._claims.pop(owner, ()):
+                self._unpin(entry)
+
+    @property
+    def claims(self) -> int:
+        """Owners holding claims now."""
+        return len(self._claims)
+
+    def _pin(self, key: str) -> _Entry | None:
         entry = self._index.get(key)
         if entry is None:
             return None
@@ -177,7 +211,7 @@ class HostLRU:
         self.stats.pinned += 1
         return entry
 
-    def unpin(self, entry: _Entry) -> None:
+    def _unpin(self, entry: _Entry) -> None:
         entry.pins -= 1
         self.stats.pinned -= 1
         if entry.pins:
@@ -191,13 +225,20 @@ class HostLRU:
         """Room for a value of ``nbytes``, evicting least recently used values as needed; ``None`` when it
         cannot fit (larger than the bound, or the rest is pinned or being filled) -- then nothing is
         evicted. The room is the caller's until :meth:`commit` or :meth:`release`."""
+        evicted: list[str] = []
+        with self._lock:
+            extent = self._reserve(nbytes, evicted)
+        if evicted:
+            self._report(evicted)
+        return extent
+
+    def _reserve(self, nbytes: int, evicted: list[str]) -> Extent | None:
         extents = self.extents
         need = extents.units_for(nbytes)
         evictable = self._indexed_units - self._pinned_units
         if need > extents.units or extents.free_units + evictable < need:
             self.stats.bypassed += 1
             return None
-        evicted: list[str] = []
         if extents.free_units < need:
             for old_key in list(self._index):  # oldest first
                 if extents.free_units >= need:
@@ -207,53 +248,58 @@ class HostLRU:
                     evicted.append(old_key)
         extent = extents.take(nbytes)
         assert extent is not None  # enough units were free or evictable
-        if evicted:
-            self.stats.evictions += len(evicted)
-            self._report(evicted)
+        self.stats.evictions += len(evicted)
         return extent
 
     def release(self, extent: Extent) -> None:
         """A reservation given up (its fill failed or was not wanted)."""
-        self.extents.give(extent)
+        with self._lock:
+            self.extents.give(extent)
 
     def commit(self, key: str, extent: Extent, *, since: int | None = None) -> _Entry | None:
         """Index ``extent`` (reserved, filled) under ``key``, replacing any older value. With ``since`` (the
         clock when the fill's read started), a value indexed under ``key`` after it is newer and stays:
         the reservation is released and ``None`` returned."""
-        held = self._index.get(key)
-        if since is not None and held is not None and held.stamp > since:
-            self.release(extent)
-            return None
-        self._drop(key)
-        self.clock += 1
-        entry = _Entry(extent, self.clock)
-        self._index[key] = entry
-        self._indexed_units += extent.units
-        self.stats.held_bytes += extent.size
-        self.stats.entries += 1
-        return entry
+        with self._lock:
+            held = self._index.get(key)
+            if since is not None and held is not None and held.stamp > since:
+                self.extents.give(extent)
+                return None
+            self._drop(key)
+            self.clock += 1
+            entry = _Entry(extent, self.clock)
+            self._index[key] = entry
+            self._indexed_units += extent.units
+            self.stats.held_bytes += extent.size
+            self.stats.entries += 1
+            return entry
 
     def peek(self, key: str) -> _Entry | None:
         """The entry under ``key`` (marked most recently used), not pinned."""
-        entry = self._index.get(key)
-        if entry is not None:
-            self._index.move_to_end(key)
-        return entry
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is not None:
+                self._index.move_to_end(key)
+            return entry
 
     def discard(self, keys: Sequence[str]) -> int:
         """Stop holding ``keys`` (reported to ``on_evict``); how many were held."""
-        gone = [key for key in keys if self._drop(key)]
+        with self._lock:
+            gone = [key for key in keys if self._drop(key)]
         if gone:
             self._report(gone)
         return len(gone)
 
     def forget(self, key: str) -> None:
         """Stop holding ``key`` without reporting it (it is about to be replaced)."""
-        self._drop(key)
+        with self._lock:
+            self._drop(key)
 
     def clear(self) -> None:
-        for key in list(self._index):
-            self._drop(key)
+        """Hold nothing (claimed values' memory is given back as their owners unclaim them)."""
+        with self._lock:
+            for key in list(self._index):
+                self._drop(key)
 
     def _drop(self, key: str) -> bool:
         entry = self._index.pop(key, None)

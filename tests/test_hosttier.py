@@ -96,6 +96,38 @@ def test_lru_counts_a_replaced_or_deleted_value_until_its_reader_ends() -> None:
     assert lru.used == 0 and lru.stats.held_bytes == 0 and lru.stats.entries == 0 and lru.stats.pinned == 0
 
 
+def test_lru_claims_keep_values_until_unclaimed_from_another_thread() -> None:
+    lru = HostLRU(100, align=1)
+    _hold(lru, "a", 40)
+    _hold(lru, "b", 40)
+    assert lru.claim("r1", ["a", "x", "b"]) == [True, False, True]  # x is not held
+    assert not _hold(lru, "c", 40)  # everything held is claimed: c is not kept, nothing evicted
+    assert "a" in lru and "b" in lru and lru.stats.evictions == 0 and lru.claims == 1
+    assert lru.discard(["a"]) == 1  # a delete still drops it; its memory is the claim's until unclaimed
+    assert lru.used == 80
+    # The scheduler thread releases the claim while this thread holds the index: no torn state.
+    done = threading.Event()
+    threading.Thread(target=lambda: (lru.unclaim("r1"), done.set())).start()
+    assert done.wait(5)
+    assert lru.claims == 0 and lru.stats.pinned == 0 and lru.used == 40
+    lru.unclaim("r1")  # a second release is nothing
+    assert _hold(lru, "c", 61)  # b, unclaimed now, is evicted for it
+    assert "b" not in lru and lru.used == 61
+
+
+def test_lru_claims_of_one_owner_add_up_and_a_clear_frees_their_memory_at_unclaim() -> None:
+    lru = HostLRU(100, align=1)
+    _hold(lru, "a", 30)
+    _hold(lru, "b", 30)
+    assert lru.claim("r", ["a"]) == [True]
+    assert lru.claim("r", ["b", "a"]) == [True, True]
+    assert lru.stats.pinned == 3
+    lru.clear()
+    assert len(lru) == 0 and lru.used == 60  # claimed memory is not reused before the release
+    lru.unclaim("r")
+    assert lru.used == 0 and lru.stats.pinned == 0
+
+
 def test_lru_counts_a_reservation_until_it_is_committed_or_released() -> None:
     lru = HostLRU(100, align=1)
     _hold(lru, "a", 50)

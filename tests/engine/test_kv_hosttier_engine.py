@@ -1,5 +1,5 @@
 """The host-memory tier in vLLM's real engine: a request whose prefix left vLLM's own cache is loaded from
-the worker's tier, byte for byte, without reading the store.
+the worker's tier, byte for byte, without reading the store, and vLLM counts those tokens as ``host``.
 
 Proof that the store was not read: after the first run every stored value is overwritten with zeros (the
 files stay, so the scheduler's lookups still find them); a load that reached the store would fail its frame
@@ -42,6 +42,16 @@ def test_a_prefix_evicted_from_vllm_is_loaded_from_the_host_tier(
     loader = worker.loader
     assert loader.loaded > 0 and loader.totals()["loaded_in_place"] > 0 and not loader.failures
     assert tier.stats.hits == loader.loaded and tier.stats.misses == 0
-    assert probe.metrics()["vllm:external_prefix_cache_hits"] > 0
+    hit_tokens = probe.metrics()["vllm:external_prefix_cache_hits"]
+    assert hit_tokens > 0
+    # vLLM counts every one of those tokens as served by host memory, none under the store's ``disk``.
+    by_source = {
+        m.labels.get("source"): m.value
+        for m in llm.get_metrics()
+        if m.name == "vllm:prompt_tokens_cached_by_source" and getattr(m, "value", 0)
+    }
+    by_source.pop("device", None)  # vLLM's own prefix cache (prompts sharing a prefix in one batch)
+    assert by_source == {"host": hit_tokens}
+    assert probe.kv_scheduler_connector().scheduler_side.held()["host_claims"] == 0  # released
     for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)

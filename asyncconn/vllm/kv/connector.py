@@ -50,6 +50,7 @@ from asyncconn.url import redact
 from asyncconn.vllm.checks import check_extra_config
 from asyncconn.vllm.kv.events import KVEvents, SaveReports, tier_of
 from asyncconn.vllm.kv.groups import GroupLayout, check_groups, check_sync_loads
+from asyncconn.vllm.kv.hostclaims import HostClaims, register_tier, unregister_tier
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.parts import ValueParts
@@ -95,6 +96,10 @@ def _tensor_parallel(vllm_config: Any) -> tuple[int, int]:
     except (ImportError, AssertionError):
         pass
     return int(vllm_config.parallel_config.tensor_parallel_size), 0
+
+
+def _pipeline_size(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
 
 
 def _kv_events_on(vllm_config: Any) -> bool:
@@ -143,6 +148,11 @@ class AsyncConnKVConnector(
         source = _hit_source(self.tier.hit_source)
         if source is not None:  # what vLLM's get_external_cache_hit_sources counts our hits under
             self._cache_hit_source = source
+        # The host tier's hits are counted as ``host`` where the scheduler sees the one worker's tier: one
+        # rank, in its process (asyncconn.vllm.kv.hostclaims); the worker registers it under this name.
+        self._tier_name: str | None = None
+        if self.settings.host_cache_bytes > 0 and tp_size == 1 and _pipeline_size(vllm_config) == 1:
+            self._tier_name = f"{config.engine_id}/{keys.namespace.hex()}"
         events = _kv_events_on(vllm_config) and config.is_kv_producer
         if role == KVConnectorRole.SCHEDULER:
             lookup = None
@@ -156,6 +166,11 @@ class AsyncConnKVConnector(
                 sync_loads=self.settings.kv_sync_loads,
                 events=KVEvents(keys, self.tier) if events else None,
                 parts=parts,
+                host=(
+                    HostClaims(self._tier_name, parts, self._identity.block_size)
+                    if self._tier_name is not None and config.is_kv_consumer
+                    else None
+                ),
             )
             where = _lookups(self.settings, lookup)
             log_start("KV", f"scheduler ({config.kv_role})", self.settings, lookups=where)
@@ -206,6 +221,8 @@ class AsyncConnKVConnector(
             raise BackendTimeout(
                 f"{redact(settings.backend_url)}: not open after {settings.connect_timeout:g}s"
             ) from None
+        if self._tier_name is not None and store.host_tier is not None:
+            register_tier(self._tier_name, store.host_tier)
         pool = PinnedPool(settings.pinned_pool_bytes, device=load_device)
         loader = StreamLoader(  # rows: a poll's values scattered together from one tensor (CUDA)
             store,
@@ -244,6 +261,9 @@ class AsyncConnKVConnector(
         keys = parts.keys[0]
         if self._scheduler is not None:
             self._scheduler.keys, self._scheduler.parts = keys, parts
+            if tp_size > 1 and self._scheduler.host is not None:  # each rank's tier is its own
+                self._scheduler.host.close()
+                self._scheduler.host = None
             if self._scheduler.events is not None:
                 self._scheduler.events.keys = keys
         if self._worker is not None:
@@ -345,6 +365,9 @@ class AsyncConnKVConnector(
 
     def shutdown(self) -> None:
         if self._worker is not None:
+            tier = self._worker.store.host_tier
+            if self._tier_name is not None and tier is not None:
+                unregister_tier(self._tier_name, tier)
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
@@ -359,6 +382,17 @@ class AsyncConnKVConnector(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """The load just planned for ``request``, by source: the tokens the host tier was made to keep for
+        it as ``host`` (:mod:`asyncconn.vllm.kv.hostclaims`), the rest under the store's own source."""
+        host = min(self.scheduler_side.host_tokens(request.request_id), max(num_external_tokens, 0))
+        sources: dict[Any, int] = {}
+        if host:
+            sources[_hit_source("host")] = host
+        if num_external_tokens > host:
+            sources[self._cache_hit_source] = num_external_tokens - host
+        return sources
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build_connector_meta(scheduler_output)

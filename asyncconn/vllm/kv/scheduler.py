@@ -31,6 +31,7 @@ from typing import Any
 from asyncconn.lookup.client import LookupClient
 from asyncconn.vllm.kv.events import KVEvents, SavedReport
 from asyncconn.vllm.kv.groups import has_null, real_blocks
+from asyncconn.vllm.kv.hostclaims import HostClaims
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.metadata import (
     AsyncConnKVMetadata,
@@ -76,7 +77,8 @@ class KVSchedulerSide:
     once, and the step that schedules it waits (on the workers) for its values before the forward.
     ``events`` (vLLM's KV events on): planned values are snapshotted there and published once the workers
     confirm them (:mod:`asyncconn.vllm.kv.events`). ``parts``: how a value is split (default: one part,
-    every layer, under ``keys``).
+    every layer, under ``keys``). ``host``: claims on the host tier of a worker in this process, so hits it
+    serves are counted as ``host`` (:mod:`asyncconn.vllm.kv.hostclaims`).
     """
 
     def __init__(
@@ -89,8 +91,10 @@ class KVSchedulerSide:
         sync_loads: bool = False,
         events: KVEvents | None = None,
         parts: ValueParts | None = None,
+        host: HostClaims | None = None,
     ) -> None:
         self.keys = keys
+        self.host = host
         self.parts = parts if parts is not None else ValueParts.single(keys)
         self.events = events
         self._events_dropped = 0  # ``events.dropped`` at the last stats()
@@ -236,7 +240,13 @@ class KVSchedulerSide:
             loading[v] = frozenset(real_blocks(ids))
         if not self.sync_loads:  # a sync load ends with its step (``update_connector_output``)
             state.loading = loading
+        if self.host is not None:  # (a sync load's claims are held until the request ends)
+            self.host.claim(rid, values)
         self._loads.append(LoadSpec(rid, tuple(values), sync=self.sync_loads))
+
+    def host_tokens(self, rid: str) -> int:
+        """Tokens of ``rid``'s planned load that the host tier serves (asked once, right after planning)."""
+        return self.host.take_tokens(rid) if self.host is not None else 0
 
     # -- every step ------------------------------------------------------------------------------------
     def build_connector_meta(self, so: Any) -> AsyncConnKVMetadata:
@@ -253,6 +263,8 @@ class KVSchedulerSide:
         for rid in preempted:
             self._hits.pop(rid, None)
             self._probes.pop(rid, None)
+            if self.host is not None:
+                self.host.release(rid)
             if self.lookup is not None:
                 self.lookup.discard(rid)
         step_tokens = int(getattr(so, "total_num_scheduled_tokens", -1))
@@ -366,6 +378,8 @@ class KVSchedulerSide:
         invalid = set(output.invalid_block_ids or ())
         failed = set(getattr(output, "failed_recving", None) or ())
         for rid in output.finished_recving or ():
+            if self.host is not None:  # its load has read the tier
+                self.host.release(rid)
             state = self._reqs.get(rid)
             if state is None or state.loading is None:
                 continue
@@ -414,6 +428,8 @@ class KVSchedulerSide:
         self._hits.pop(rid, None)
         self._probes.pop(rid, None)
         self._local.pop(rid, None)
+        if self.host is not None:
+            self.host.release(rid)
         if self.lookup is not None:
             self.lookup.discard(rid)
 
@@ -453,6 +469,8 @@ class KVSchedulerSide:
             out.update({f"lookup_{k}": v for k, v in self.lookup.held().items()})
         if self.events is not None:
             out.update(self.events.held())
+        if self.host is not None:
+            out.update(self.host.held())
         return out
 
     def close(self) -> None:
@@ -462,6 +480,8 @@ class KVSchedulerSide:
         self._local.clear()
         self._loads.clear()
         self._via_recv.clear()
+        if self.host is not None:
+            self.host.close()
         if self.events is not None:
             self.events.close()
         if self.lookup is not None:

@@ -1,0 +1,115 @@
+"""Hits served by the host tier, counted as vLLM's ``host`` source: the scheduler claims the values it plans
+to load from a worker's tier in its own process.
+
+vLLM asks where a request's external tokens come from (``get_external_cache_hit_sources``) on the scheduler
+thread, right after ``update_state_after_alloc`` planned the load and before any load starts, and records the
+answer then. The host tier (``host_cache_bytes``) lives in the worker. So the answer can only be exact if
+the scheduler can both see the tier and make it keep what it saw until the load has read it:
+
+- where the engine has one worker and it runs in the scheduler's process (one rank: vLLM's uniprocess
+  executor, what ``vllm serve`` and ``LLM`` use without tensor or pipeline parallelism), the worker
+  registers its tier here under its engine's id and key namespace, and the scheduler finds it;
+- the scheduler *claims* the values of a load it plans (:meth:`HostTier.lru.claim`: pinned, never evicted
+  nor replaced in memory) and counts the tokens of the values whose every part it claimed as ``host``; the
+  claims are released when the load has ended (``finished_recving``), the request is preempted or
+  finishes, or the scheduler closes;
+- anything else -- several ranks (each has its own tier, in its own process), no tier, a value not in the
+  tier -- is counted under the store's own source, as before.
+
+A claimed value can still leave the tier for one reason: a delete (a damaged value found by a load). The
+load then reads the store, and those tokens were counted as ``host``; the load fails its frame check anyway.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+
+from asyncconn.hosttier import HostTier
+from asyncconn.vllm.kv.metadata import ValueRef
+from asyncconn.vllm.kv.parts import ValueParts
+
+__all__ = ["HostClaims", "register_tier", "registered_tier", "unregister_tier"]
+
+# engine key -> the tiers registered under it (weakly: a worker that never shut down keeps nothing alive)
+_TIERS: dict[str, list[weakref.ref[HostTier]]] = {}
+_LOCK = threading.Lock()
+
+
+def register_tier(engine: str, tier: HostTier) -> None:
+    """A worker's tier, for a scheduler in this process (``engine``: the engine id and key namespace)."""
+    with _LOCK:
+        _TIERS.setdefault(engine, []).append(weakref.ref(tier))
+
+
+def unregister_tier(engine: str, tier: HostTier) -> None:
+    with _LOCK:
+        refs = [ref for ref in _TIERS.get(engine, ()) if ref() is not None and ref() is not tier]
+        if refs:
+            _TIERS[engine] = refs
+        else:
+            _TIERS.pop(engine, None)
+
+
+def registered_tier(engine: str) -> HostTier | None:
+    """The one tier registered under ``engine``; None when there is none or more than one (several workers
+    in one process: the scheduler cannot know which rank's tier a load reads)."""
+    with _LOCK:
+        tiers = [tier for ref in _TIERS.get(engine, ()) if (tier := ref()) is not None]
+    return tiers[0] if len(tiers) == 1 else None
+
+
+class HostClaims:
+    """The scheduler's claims on the host tier of the one worker in its process (see the module docstring).
+
+    ``engine``: the key the worker registered its tier under. The tier is looked up at each claim, so a
+    worker made after the scheduler, or gone, is followed. Runs on vLLM's scheduler thread.
+    """
+
+    def __init__(self, engine: str, parts: ValueParts, block_size: int) -> None:
+        self.engine = engine
+        self.parts = parts
+        self.block_size = block_size
+        self._claimed: dict[str, HostTier] = {}  # request id -> the tier it holds claims on
+        self._tokens: dict[str, int] = {}  # request id -> tokens its planned load reads from the tier
+
+    def claim(self, rid: str, values: Sequence[ValueRef]) -> int:
+        """Claim the values of ``rid``'s planned load that the tier holds; the tokens of those whose every
+        part was claimed (what :meth:`take_tokens` answers next)."""
+        self.release(rid)  # a new plan (after a preemption) replaces the old one's claims
+        tier = registered_tier(self.engine)
+        if tier is None or not values:
+            return 0
+        keys = [self.parts.keys[ref.part].store_key(ref.value_hash, 0) for ref in values]
+        held = tier.lru.claim(rid, keys)
+        if any(held):
+            self._claimed[rid] = tier
+        missing = {ref.value_hash for ref, ok in zip(values, held, strict=True) if not ok}
+        counted: set[bytes] = set()
+        tokens = 0
+        for ref in values:  # a value of several parts has the same positions in each
+            if ref.value_hash not in missing and ref.value_hash not in counted:
+                counted.add(ref.value_hash)
+                tokens += len(ref.positions) * self.block_size
+        if tokens:
+            self._tokens[rid] = tokens
+        return tokens
+
+    def take_tokens(self, rid: str) -> int:
+        """The tokens ``rid``'s last claim found in the tier (asked once, right after the claim)."""
+        return self._tokens.pop(rid, 0)
+
+    def release(self, rid: str) -> None:
+        self._tokens.pop(rid, None)
+        tier = self._claimed.pop(rid, None)
+        if tier is not None:
+            tier.lru.unclaim(rid)
+
+    def held(self) -> dict[str, int]:
+        return {"host_claims": len(self._claimed), "host_tokens": len(self._tokens)}
+
+    def close(self) -> None:
+        for rid in list(self._claimed):
+            self.release(rid)
+        self._tokens.clear()
