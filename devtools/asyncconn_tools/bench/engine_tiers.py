@@ -66,6 +66,17 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
+def _host_tokens(llm: Any) -> int:
+    """``vllm:prompt_tokens_cached_by_source{source="host"}`` so far."""
+    return int(
+        sum(
+            getattr(m, "value", 0)
+            for m in llm.get_metrics()
+            if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") == "host"
+        )
+    )
+
+
 def tiers_bench(
     tokens: int = 4096, prompts: int = 3, rounds: int = 3, host_cache_bytes: int = 512 << 20
 ) -> dict[str, Any]:
@@ -88,10 +99,11 @@ def tiers_bench(
     expected_hits = 0
     local_hits = 0
     local_expected = 0
+    host_counted = 0  # warm-pass tokens vLLM's prompt_tokens_cached_by_source put under "host"
     local_dirs = iter(range(1 << 20))
 
     def run(make: Callable[[], Any], passes: list[str], tiered: bool) -> None:
-        nonlocal tier_peak, tier_hits, expected_hits, local_hits, local_expected
+        nonlocal tier_peak, tier_hits, expected_hits, local_hits, local_expected, host_counted
         _reset_peak_rss()
         llm = make_llm(model, kv=make(), **engine_args)
         probe = Probe(llm)
@@ -106,6 +118,7 @@ def tiers_bench(
                     if not llm.reset_prefix_cache():
                         raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
                 hits_before = tier.stats.hits if tier is not None else 0
+                host_before = _host_tokens(llm)
                 local_before = layered.stats.local_hits if layered is not None else 0
                 timed = []
                 for text in texts:
@@ -118,6 +131,7 @@ def tiers_bench(
                 this_run.setdefault(name, []).extend(timed)
                 if tier is not None and name == _WARM:
                     tier_hits += tier.stats.hits - hits_before
+                    host_counted += _host_tokens(llm) - host_before
                     expected_hits += len(texts) * (tokens // 32)
                 if layered is not None and name == _LOCAL_WARM:
                     local_hits += layered.stats.local_hits - local_before
@@ -168,6 +182,9 @@ def tiers_bench(
     figures["warm passes: values served by the tier / values loaded"] = f"{tier_hits} / {expected_hits}"
     figures["warm passes: values served by the local store / values loaded"] = (
         f"{local_hits} / {local_expected}"
+    )
+    figures["warm passes: tokens vLLM counted as source=host / tokens loaded"] = (
+        f"{host_counted} / {expected_hits * 32}"
     )
     figures["host tier bytes, most seen / bound"] = f"{tier_peak} / {host_cache_bytes}"
     for name, values in peak_rss.items():
