@@ -123,15 +123,22 @@ class TierStats:
 
 
 class _Entry:
-    """One value held: its extent of the arena, readers copying out of it, and whether it is indexed."""
+    """One value held: its extent of the arena, readers copying out of it, and whether it is indexed.
 
-    __slots__ = ("detached", "extent", "pins", "stamp")
+    Out of the index, an entry is *detached* (its memory is given back when its last reader ends) or
+    *withdrawn* (announced mode: evicted, still readable, its memory kept until the announcement of its
+    eviction is acknowledged)."""
 
-    def __init__(self, extent: Extent, stamp: int) -> None:
+    __slots__ = ("announced", "detached", "extent", "key", "pins", "stamp", "withdrawn")
+
+    def __init__(self, key: str, extent: Extent, stamp: int) -> None:
+        self.key = key
         self.extent = extent
         self.stamp = stamp  # the index's clock when it was indexed
         self.pins = 0
         self.detached = False
+        self.announced = False  # announced mode: its key was in a report taken
+        self.withdrawn = False
 
 
 class HostLRU:
@@ -140,6 +147,12 @@ class HostLRU:
     ``used`` counts the arena's bytes taken: values indexed, values being filled (reserved, not indexed
     yet), and values replaced or deleted while a read still copies out of them (freed when that read ends).
     It never exceeds ``capacity``: the bound holds for memory, not only for the index.
+
+    Announced mode (:meth:`announce`), for a reader elsewhere that must be able to rely on what it was told
+    (a KV scheduler in another process, :mod:`asyncconn.vllm.kv.tiernews`): :meth:`take_news` reports the
+    keys indexed and the announced keys evicted since the last report. An announced value evicted is
+    *withdrawn*: out of the index, yet still readable by :meth:`pin` / :meth:`claim`, its memory kept
+    until :meth:`acknowledge` says that report was seen. Values never announced are evicted at once.
     """
 
     def __init__(self, capacity: int, *, align: int = ALIGN, on_evict: OnEvict | None = None) -> None:
@@ -155,6 +168,13 @@ class HostLRU:
         self._pinned_units = 0  # indexed entries with readers: not evictable
         self._indexed_units = 0
         self._claims: dict[str, list[_Entry]] = {}  # owner -> entries it pinned with :meth:`claim`
+        self._announcing = False
+        self._seq = 1  # the number of the report being gathered
+        self._admitted: dict[str, None] = {}  # keys indexed since the last report, not announced yet
+        self._gone: list[str] = []  # announced keys withdrawn or deleted since the last report
+        self._withdrawn: collections.deque[tuple[int, str, _Entry]] = collections.deque()  # by report
+        self._withdrawn_by_key: dict[str, _Entry] = {}  # the latest withdrawn entry of each key
+        self._withdrawn_units = 0
         # The index is the loop thread's, but :meth:`claim` / :meth:`unclaim` come from vLLM's scheduler
         # thread: every change is made under this lock (held for index work only, never across a copy).
         self._lock = threading.Lock()
@@ -203,10 +223,13 @@ class HostLRU:
     def _pin(self, key: str) -> _Entry | None:
         entry = self._index.get(key)
         if entry is None:
-            return None
-        self._index.move_to_end(key)
-        if entry.pins == 0:
-            self._pinned_units += entry.extent.units
+            entry = self._withdrawn_by_key.get(key)  # evicted, announced: readable until acknowledged
+            if entry is None:
+                return None
+        else:
+            self._index.move_to_end(key)
+            if entry.pins == 0:
+                self._pinned_units += entry.extent.units
         entry.pins += 1
         self.stats.pinned += 1
         return entry
@@ -217,9 +240,72 @@ class HostLRU:
         if entry.pins:
             return
         if entry.detached:
+            if self._withdrawn_by_key.get(entry.key) is entry:  # acknowledged while pinned: readable so far
+                del self._withdrawn_by_key[entry.key]
             self.extents.give(entry.extent)
-        else:
+        elif not entry.withdrawn:
             self._pinned_units -= entry.extent.units
+
+    # -- announced mode ---------------------------------------------------------------------------------
+    def announce(self) -> None:
+        """Enter announced mode (see the class docstring); once, before the first value is indexed."""
+        with self._lock:
+            self._announcing = True
+
+    def take_news(self) -> tuple[int, list[str], list[str]] | None:
+        """``(report number, keys indexed, keys gone)`` since the last report, the indexed ones now
+        announced; None when there is nothing new (a report number is used only when taken)."""
+        with self._lock:
+            if not (self._admitted or self._gone):
+                return None
+            admitted = list(self._admitted)
+            for key in admitted:
+                self._index[key].announced = True
+            gone, self._gone = self._gone, []
+            self._admitted = {}
+            seq = self._seq
+            self._seq += 1
+            return seq, admitted, gone
+
+    def acknowledge(self, seq: int) -> None:
+        """Reports up to ``seq`` were seen: their withdrawn values' memory is free (once unpinned)."""
+        with self._lock:
+            withdrawn = self._withdrawn
+            while withdrawn and withdrawn[0][0] <= seq:
+                _, key, entry = withdrawn.popleft()
+                self._free_withdrawn(key, entry)
+
+    @property
+    def withdrawn(self) -> int:
+        """Withdrawn values whose memory waits for an acknowledgement."""
+        return len(self._withdrawn)
+
+    def _free_withdrawn(self, key: str, entry: _Entry) -> None:
+        """Acknowledged: the memory is free -- once no claim or read pins it; until then the value stays
+        readable (a load planned on it may not have started its read)."""
+        self._withdrawn_units -= entry.extent.units
+        entry.withdrawn = False
+        if entry.pins:
+            entry.detached = True
+            return
+        if self._withdrawn_by_key.get(key) is entry:
+            del self._withdrawn_by_key[key]
+        self.extents.give(entry.extent)
+
+    def _withdraw(self, key: str) -> None:
+        """Evict an announced value: out of the index, readable and its memory kept until acknowledged."""
+        entry = self._index.pop(key)
+        units = entry.extent.units
+        self._indexed_units -= units
+        self.stats.held_bytes -= entry.extent.size
+        self.stats.entries -= 1
+        if entry.pins:
+            self._pinned_units -= units
+        entry.withdrawn = True
+        self._withdrawn.append((self._seq, key, entry))
+        self._withdrawn_by_key[key] = entry
+        self._withdrawn_units += units
+        self._gone.append(key)
 
     def reserve(self, nbytes: int) -> Extent | None:
         """Room for a value of ``nbytes``, evicting least recently used values as needed; ``None`` when it
@@ -243,12 +329,25 @@ class HostLRU:
             for old_key in list(self._index):  # oldest first
                 if extents.free_units >= need:
                     break
-                if self._index[old_key].pins == 0:
+                entry = self._index[old_key]
+                if entry.pins == 0 and not entry.announced:
                     self._drop(old_key)
                     evicted.append(old_key)
+        if extents.free_units < need:
+            # Announced mode: values the scheduler was told of go last, withdrawn (their room comes back
+            # once it has seen them go), and no more of them than the room this value needs.
+            for old_key in list(self._index):
+                if extents.free_units + self._withdrawn_units >= need:
+                    break
+                if self._index[old_key].pins == 0:
+                    self._withdraw(old_key)
+                    evicted.append(old_key)
+        self.stats.evictions += len(evicted)
+        if extents.free_units < need:  # announced mode: the room frees once the scheduler has seen it go
+            self.stats.bypassed += 1
+            return None
         extent = extents.take(nbytes)
         assert extent is not None  # enough units were free or evictable
-        self.stats.evictions += len(evicted)
         return extent
 
     def release(self, extent: Extent) -> None:
@@ -265,9 +364,13 @@ class HostLRU:
             if since is not None and held is not None and held.stamp > since:
                 self.extents.give(extent)
                 return None
-            self._drop(key)
+            old = self._drop(key, replaced=True)
+            announced = old is not None and old.announced
             self.clock += 1
-            entry = _Entry(extent, self.clock)
+            entry = _Entry(key, extent, self.clock)
+            entry.announced = announced  # the key stays held: nothing to announce again
+            if self._announcing and not announced:
+                self._admitted[key] = None
             self._index[key] = entry
             self._indexed_units += extent.units
             self.stats.held_bytes += extent.size
@@ -285,26 +388,43 @@ class HostLRU:
     def discard(self, keys: Sequence[str]) -> int:
         """Stop holding ``keys`` (reported to ``on_evict``); how many were held."""
         with self._lock:
+            for key in keys:  # a withdrawn value deleted is not read again either
+                self._withdrawn_by_key.pop(key, None)
             gone = [key for key in keys if self._drop(key)]
         if gone:
             self._report(gone)
         return len(gone)
 
     def forget(self, key: str) -> None:
-        """Stop holding ``key`` without reporting it (it is about to be replaced)."""
+        """Stop holding ``key`` without reporting it (it is about to be replaced). Announced mode: an
+        announced value is withdrawn instead (readable until acknowledged: the same key holds the same
+        bytes), as the new value may yet not be kept."""
         with self._lock:
-            self._drop(key)
+            entry = self._index.get(key)
+            if entry is not None and entry.announced:
+                self._withdraw(key)
+            else:
+                self._drop(key)
 
     def clear(self) -> None:
         """Hold nothing (claimed values' memory is given back as their owners unclaim them)."""
         with self._lock:
             for key in list(self._index):
                 self._drop(key)
+            while self._withdrawn:
+                _, key, entry = self._withdrawn.popleft()
+                self._free_withdrawn(key, entry)
 
-    def _drop(self, key: str) -> bool:
+    def _drop(self, key: str, *, replaced: bool = False) -> _Entry | None:
+        """Unindex ``key`` now (its memory free once unpinned); the entry, if it was held. An announced key
+        that goes (not ``replaced`` by a new value) is reported gone; one not announced yet never is."""
         entry = self._index.pop(key, None)
         if entry is None:
-            return False
+            return None
+        if self._announcing:
+            self._admitted.pop(key, None)
+            if entry.announced and not replaced:
+                self._gone.append(key)
         units = entry.extent.units
         self._indexed_units -= units
         self.stats.held_bytes -= entry.extent.size
@@ -314,7 +434,7 @@ class HostLRU:
             self._pinned_units -= units
         else:
             self.extents.give(entry.extent)
-        return True
+        return entry
 
     def _report(self, keys: list[str]) -> None:
         if self.on_evict is not None:

@@ -203,6 +203,23 @@ class OpenAIServer:
                 out[name] = out.get(name, 0.0) + float(value)
         return out
 
+    def metrics_by(self, name: str, label: str) -> dict[str, float]:
+        """One series of ``/metrics`` by the value of one of its labels (summed over the others)."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line.startswith(name + "{"):
+                continue
+            series, value = line.rsplit(" ", 1)
+            labels = dict(
+                part.split("=", 1) for part in series[len(name) + 1 : -1].split(",") if "=" in part
+            )
+            key = labels.get(label, '""').strip('"')
+            with contextlib.suppress(ValueError):
+                out[key] = out.get(key, 0.0) + float(value)
+        return out
+
     def tree(self) -> set[int]:
         """The server's pid and every process below it."""
         if self.proc is None:

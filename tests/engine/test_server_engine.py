@@ -3,7 +3,9 @@ with two tensor-parallel CPU workers, driven over HTTP. One server start serves 
 
 1. The connector's figures read from ``/metrics``. Local prefix caching is off, so a prompt seen before can
    only be served from the store: the second pass of the same prompts must report external hits (vLLM's
-   counter and ours) and give the same greedy text.
+   counter and ours) and give the same greedy text. The example config runs here with a host tier
+   (``host_cache_bytes``): vLLM's hits by source must count tokens under ``host`` -- the two workers'
+   tiers reported to the scheduler across processes -- and no more than both tiers served.
 2. SIGTERM while requests stream: the server and everything it started go away within a bound, and leave
    nothing behind. What an operator does to stop or roll a server is send SIGTERM (systemd, Kubernetes,
    ``docker stop``). The server runs with ``--shutdown-timeout``, the drain mode docs/deployment.md
@@ -54,6 +56,7 @@ def _config(redis_server: RedisServer) -> dict[str, Any]:
     config: dict[str, Any] = json.loads((EXAMPLES / "vllm_kv_offload.json").read_text())
     config["kv_connector_extra_config"]["backend_url"] = redis_server.url
     config["kv_connector_extra_config"]["key_prefix"] = "kv-server:"
+    config["kv_connector_extra_config"]["host_cache_bytes"] = "64MiB"
     return config
 
 
@@ -108,10 +111,12 @@ def test_openai_server_with_the_example_config_two_workers_and_metrics(
         c["text"] for c in sorted(_post(base, "/v1/completions", body)["choices"], key=lambda c: c["index"])
     ]
     before = server.metrics()
+    sources_before = server.metrics_by("vllm:prompt_tokens_cached_by_source_total", "source")
     second = [
         c["text"] for c in sorted(_post(base, "/v1/completions", body)["choices"], key=lambda c: c["index"])
     ]
     after = server.metrics()
+    sources = server.metrics_by("vllm:prompt_tokens_cached_by_source_total", "source")
     assert second == first
     per_value = 32 * _config(redis_server)["kv_connector_extra_config"].get("kv_blocks_per_value", 1)
     full = len(PROMPTS) * (len(PROMPTS[0]) // per_value) * per_value
@@ -123,6 +128,16 @@ def test_openai_server_with_the_example_config_two_workers_and_metrics(
     assert after["asyncconn:kv_tokens_loaded_total"] > before.get("asyncconn:kv_tokens_loaded_total", 0)
     assert after["asyncconn:kv_saves_total"] > 0
     assert after.get("asyncconn:kv_save_failures_total", 0) == 0
+    # By source: the tiers' share as ``host`` (both ranks' tiers held the value when the load was planned),
+    # the rest under the store's. A value counted as host is never read from the store: the tiers passed
+    # on to the store (misses) at most the reads of the values counted under the store's source, 2 ranks.
+    gained = {k: v - sources_before.get(k, 0.0) for k, v in sources.items() if v - sources_before.get(k, 0.0)}
+    host = gained.pop("host", 0.0)
+    assert host > 0, f"no hit counted as host: {gained}"
+    assert set(gained) <= {"external_unspecified"} and host + sum(gained.values()) == full
+    misses = after.get("asyncconn:kv_host_misses_total", 0) - before.get("asyncconn:kv_host_misses_total", 0)
+    assert misses <= sum(gained.values()) // per_value * 2
+    assert after["asyncconn:kv_host_hits_total"] > before.get("asyncconn:kv_host_hits_total", 0)
 
 
 def _stream(base: str, model: str, prompt: list[int], first: threading.Event, out: dict[str, Any]) -> None:

@@ -50,11 +50,12 @@ from asyncconn.url import redact
 from asyncconn.vllm.checks import check_extra_config
 from asyncconn.vllm.kv.events import KVEvents, SaveReports, tier_of
 from asyncconn.vllm.kv.groups import GroupLayout, check_groups, check_sync_loads
-from asyncconn.vllm.kv.hostclaims import HostClaims, register_tier, unregister_tier
+from asyncconn.vllm.kv.hostclaims import HostClaims, HostHits, register_tier, unregister_tier
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
+from asyncconn.vllm.kv.tiernews import TierMirror, WorkerTierNews
 from asyncconn.vllm.kv.worker import KVWorkerSide
 from asyncconn.vllm.logs import follow_vllm_logging, log_start
 from asyncconn.vllm.roles import RoleSides
@@ -148,11 +149,13 @@ class AsyncConnKVConnector(
         source = _hit_source(self.tier.hit_source)
         if source is not None:  # what vLLM's get_external_cache_hit_sources counts our hits under
             self._cache_hit_source = source
-        # The host tier's hits are counted as ``host`` where the scheduler sees the one worker's tier: one
-        # rank, in its process (asyncconn.vllm.kv.hostclaims); the worker registers it under this name.
-        self._tier_name: str | None = None
-        if self.settings.host_cache_bytes > 0 and tp_size == 1 and _pipeline_size(vllm_config) == 1:
-            self._tier_name = f"{config.engine_id}/{keys.namespace.hex()}"
+        # How the host tier's hits come to be counted as ``host`` is chosen here, once, by the engine's
+        # shape (``_host_hits``): one rank, the scheduler claims in its worker's tier, registered under
+        # ``_tier_name``; several, the workers report their tiers to the scheduler.
+        self._tier_name = f"{config.engine_id}/{keys.namespace.hex()}"
+        self._tracks_tier = (
+            self.settings.host_cache_bytes > 0 and config.is_kv_consumer and _pipeline_size(vllm_config) == 1
+        )
         events = _kv_events_on(vllm_config) and config.is_kv_producer
         if role == KVConnectorRole.SCHEDULER:
             lookup = None
@@ -166,11 +169,7 @@ class AsyncConnKVConnector(
                 sync_loads=self.settings.kv_sync_loads,
                 events=KVEvents(keys, self.tier) if events else None,
                 parts=parts,
-                host=(
-                    HostClaims(self._tier_name, parts, self._identity.block_size)
-                    if self._tier_name is not None and config.is_kv_consumer
-                    else None
-                ),
+                host=self._host_hits(parts),
             )
             where = _lookups(self.settings, lookup)
             log_start("KV", f"scheduler ({config.kv_role})", self.settings, lookups=where)
@@ -221,8 +220,6 @@ class AsyncConnKVConnector(
             raise BackendTimeout(
                 f"{redact(settings.backend_url)}: not open after {settings.connect_timeout:g}s"
             ) from None
-        if self._tier_name is not None and store.host_tier is not None:
-            register_tier(self._tier_name, store.host_tier)
         pool = PinnedPool(settings.pinned_pool_bytes, device=load_device)
         loader = StreamLoader(  # rows: a poll's values scattered together from one tensor (CUDA)
             store,
@@ -251,7 +248,26 @@ class AsyncConnKVConnector(
             events=SaveReports() if events else None,
             parts=parts,
             num_groups=groups.num_groups,
+            tier_news=self._worker_tier(store),
         )
+
+    def _host_hits(self, parts: ValueParts) -> HostHits | None:
+        """The scheduler's way to know which planned tokens the workers' host tiers serve (see __init__)."""
+        if not self._tracks_tier:
+            return None
+        if self._identity.tp_size == 1:
+            return HostClaims(self._tier_name, parts, self._identity.block_size)
+        return TierMirror(parts, self._identity.tp_size, self._identity.block_size)
+
+    def _worker_tier(self, store: TensorStore) -> WorkerTierNews | None:
+        """One rank: the tier registered for the scheduler in this process; several: reporting to it."""
+        tier = store.host_tier
+        if not self._tracks_tier or tier is None:
+            return None
+        if self._identity.tp_size == 1:
+            register_tier(self._tier_name, tier)
+            return None
+        return WorkerTierNews(tier.lru)
 
     # -- the one object this facade delegates to -------------------------------------------------------
     def configure_tensor_parallel(self, tp_size: int, rank: int = 0) -> None:
@@ -261,14 +277,18 @@ class AsyncConnKVConnector(
         keys = parts.keys[0]
         if self._scheduler is not None:
             self._scheduler.keys, self._scheduler.parts = keys, parts
-            if tp_size > 1 and self._scheduler.host is not None:  # each rank's tier is its own
+            if self._scheduler.host is not None:
                 self._scheduler.host.close()
-                self._scheduler.host = None
+            self._scheduler.host = self._host_hits(parts)
             if self._scheduler.events is not None:
                 self._scheduler.events.keys = keys
         if self._worker is not None:
             self._worker.keys, self._worker.parts = keys, parts
             self._worker.set_rank(rank)
+            tier = self._worker.store.host_tier
+            if tier is not None and self._worker.tier_news is None:
+                unregister_tier(self._tier_name, tier)
+                self._worker.tier_news = self._worker_tier(self._worker.store)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -366,7 +386,7 @@ class AsyncConnKVConnector(
     def shutdown(self) -> None:
         if self._worker is not None:
             tier = self._worker.store.host_tier
-            if self._tier_name is not None and tier is not None:
+            if tier is not None:
                 unregister_tier(self._tier_name, tier)
             self._worker.close()
         if self._scheduler is not None:

@@ -90,12 +90,14 @@ class SavedReport(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is n
     """One step's news from the workers (vLLM merges every worker's with :meth:`aggregate`).
 
     ``saved``: value hash -> ranks whose save of it ended in the store; ``failed``: value hashes a rank
-    could not save; ``removed``: store keys a removal source saw leave the store.
+    could not save; ``removed``: store keys a removal source saw leave the store; ``tiers``: rank -> its
+    host tier's report (:mod:`asyncconn.vllm.kv.tiernews`: report number, keys indexed, keys gone).
     """
 
     saved: dict[bytes, int] = field(default_factory=dict)
     failed: set[bytes] = field(default_factory=set)
     removed: list[str] = field(default_factory=list)
+    tiers: dict[int, tuple[int, list[str], list[str]]] = field(default_factory=dict)
 
     def aggregate(self, other: Any) -> SavedReport:
         if isinstance(other, SavedReport):
@@ -103,6 +105,7 @@ class SavedReport(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is n
                 self.saved[value_hash] = self.saved.get(value_hash, 0) + ranks
             self.failed |= other.failed
             self.removed.extend(other.removed)
+            self.tiers.update(other.tiers)
         return self
 
 

@@ -24,13 +24,27 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from asyncconn.hosttier import HostTier
 from asyncconn.vllm.kv.metadata import ValueRef
 from asyncconn.vllm.kv.parts import ValueParts
 
-__all__ = ["HostClaims", "register_tier", "registered_tier", "unregister_tier"]
+__all__ = ["HostClaims", "HostHits", "register_tier", "registered_tier", "unregister_tier"]
+
+
+class HostHits(Protocol):
+    """How the scheduler learns which tokens of a load it plans the host tier will serve: chosen once, by
+    the engine's shape (one rank: :class:`HostClaims`; several: ``tiernews.TierMirror``)."""
+
+    def claim(self, rid: str, values: Sequence[ValueRef]) -> int: ...
+    def take_tokens(self, rid: str) -> int: ...
+    def release(self, rid: str) -> None: ...
+    def update(self, news: Mapping[int, Any]) -> None: ...
+    def acks(self) -> dict[int, int]: ...
+    def held(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
 
 # engine key -> the tiers registered under it (weakly: a worker that never shut down keeps nothing alive)
 _TIERS: dict[str, list[weakref.ref[HostTier]]] = {}
@@ -105,6 +119,12 @@ class HostClaims:
         tier = self._claimed.pop(rid, None)
         if tier is not None:
             tier.lru.unclaim(rid)
+
+    def update(self, news: Mapping[int, Any]) -> None:
+        """(Reports from workers' tiers: none in one rank, the tier is claimed directly.)"""
+
+    def acks(self) -> dict[int, int]:
+        return {}
 
     def held(self) -> dict[str, int]:
         return {"host_claims": len(self._claimed), "host_tokens": len(self._tokens)}

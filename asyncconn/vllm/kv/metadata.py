@@ -106,6 +106,9 @@ class AsyncConnKVMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is
     finished_via_recv: frozenset[str] = frozenset()
     #: Tokens vLLM scheduled this step; 0 on a step that only waits (for our loads, say).
     step_tokens: int = -1
+    #: Per rank, the last host-tier report the scheduler applied (several ranks with ``host_cache_bytes``:
+    #: :mod:`asyncconn.vllm.kv.tiernews`); the tier frees what that report withdrew.
+    tier_acks: dict[int, int] = field(default_factory=dict)
 
 
 #: Why a load or a save failed (``load_failures_<cause>``, ``save_failures_<cause>``): the loader's and the

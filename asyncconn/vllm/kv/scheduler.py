@@ -31,7 +31,7 @@ from typing import Any
 from asyncconn.lookup.client import LookupClient
 from asyncconn.vllm.kv.events import KVEvents, SavedReport
 from asyncconn.vllm.kv.groups import has_null, real_blocks
-from asyncconn.vllm.kv.hostclaims import HostClaims
+from asyncconn.vllm.kv.hostclaims import HostHits
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.metadata import (
     AsyncConnKVMetadata,
@@ -77,8 +77,9 @@ class KVSchedulerSide:
     once, and the step that schedules it waits (on the workers) for its values before the forward.
     ``events`` (vLLM's KV events on): planned values are snapshotted there and published once the workers
     confirm them (:mod:`asyncconn.vllm.kv.events`). ``parts``: how a value is split (default: one part,
-    every layer, under ``keys``). ``host``: claims on the host tier of a worker in this process, so hits it
-    serves are counted as ``host`` (:mod:`asyncconn.vllm.kv.hostclaims`).
+    every layer, under ``keys``). ``host``: how the tokens a planned load reads from the workers' host
+    tiers are known, to count them as ``host`` (:mod:`asyncconn.vllm.kv.hostclaims`,
+    :mod:`asyncconn.vllm.kv.tiernews`).
     """
 
     def __init__(
@@ -91,7 +92,7 @@ class KVSchedulerSide:
         sync_loads: bool = False,
         events: KVEvents | None = None,
         parts: ValueParts | None = None,
-        host: HostClaims | None = None,
+        host: HostHits | None = None,
     ) -> None:
         self.keys = keys
         self.host = host
@@ -274,6 +275,7 @@ class KVSchedulerSide:
             preempted=preempted,
             finished_via_recv=via_recv,
             step_tokens=step_tokens,
+            tier_acks=self.host.acks() if self.host is not None else {},
         )
         if self._loads:
             self._loads = []
@@ -369,8 +371,10 @@ class KVSchedulerSide:
         that holds it.
         """
         events = self.events
+        report = getattr(output, "kv_connector_worker_meta", None)
+        if self.host is not None and isinstance(report, SavedReport) and report.tiers:
+            self.host.update(report.tiers)
         if events is not None:  # the workers' confirmations first: a finished request's come with it
-            report = getattr(output, "kv_connector_worker_meta", None)
             if isinstance(report, SavedReport):
                 events.update(report)
             for rid in output.finished_sending or ():

@@ -69,6 +69,7 @@ from asyncconn.vllm.kv.metadata import (
 )
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.saves import StepSaves, step_saves
+from asyncconn.vllm.kv.tiernews import WorkerTierNews
 
 __all__ = ["KVWorkerSide"]
 
@@ -130,6 +131,7 @@ class KVWorkerSide:
         events: SaveReports | None = None,
         parts: ValueParts | None = None,
         num_groups: int = 1,
+        tier_news: WorkerTierNews | None = None,
     ) -> None:
         if loader.device is saver.device:
             raise ConfigError(
@@ -180,6 +182,9 @@ class KVWorkerSide:
         # KV events on (vLLM's ``kv_events_config``): which values the store confirmed, for the scheduler.
         self.events = events
         self._events_dropped = 0  # ``events.dropped`` at the last stats()
+        # Several ranks with a host tier: what the tier holds goes to the scheduler, and each load's values
+        # are claimed before the scheduler's acknowledgements free anything (asyncconn.vllm.kv.tiernews).
+        self.tier_news = tier_news
         if events is not None:
             saver.on_done = self._on_save_done
             # A backend that reports its own removals (eviction, expiry: ``StorageBackend.on_removed``,
@@ -227,8 +232,12 @@ class KVWorkerSide:
         if meta is self._issued:
             return
         self._issued = meta
-        if not meta.loads:
-            return
+        if meta.loads:
+            self._issue(meta)
+        if self.tier_news is not None:  # after this metadata's claims: they keep what its loads read
+            self.tier_news.acknowledge(meta.tier_acks.get(self.rank))
+
+    def _issue(self, meta: AsyncConnKVMetadata) -> None:
         landings, spaces = self.landings, self.parts.keys
         assert landings, "register_kv_caches was not called"
         now = time.monotonic()
@@ -248,6 +257,9 @@ class KVWorkerSide:
                     submit.append((key, dest))
                 fetch.targets.append((spec.request_id, ref))
                 load.remaining.add(key)
+            if self.tier_news is not None:
+                keys = [spaces[ref.part].store_key(ref.value_hash, self.rank) for ref in spec.values]
+                self.tier_news.claim(spec.request_id, keys)
         if submit:
             self.loader.submit_many(submit)
 
@@ -298,7 +310,7 @@ class KVWorkerSide:
                 continue
             for key in list(load.remaining):  # only after give_up
                 self._drop_target(rid, key, failed=load.failed_blocks)
-            del self._req_loads[rid]
+            self._load_ended(rid)
             if load.failed_blocks:  # sync loads exist with one KV cache group only (the connector checks)
                 self._sync_failed = True
                 self.failed_loads.blocks |= load.failed_blocks
@@ -328,6 +340,12 @@ class KVWorkerSide:
                     for key in list(load.remaining):
                         self._drop_target(rid, key, failed=load.failed_blocks)
                     self._stats.add("load_failures")
+
+    def _load_ended(self, rid: str) -> None:
+        """``rid``'s load has nothing left to read: forget it, and release its tier claims."""
+        del self._req_loads[rid]
+        if self.tier_news is not None:
+            self.tier_news.release(rid)
 
     def _stuck(self, load: _ReqLoad, now: float) -> bool:
         """Whether a load past its first deadline is stuck rather than slow: a store call of one of its
@@ -518,7 +536,7 @@ class KVWorkerSide:
             if load is not None:  # every worker reported it already (the scheduler says so): nothing to do
                 for key in list(load.remaining):
                     self._drop_target(rid, key, failed=None)
-                del self._req_loads[rid]
+                self._load_ended(rid)
             if rid in self._had_saves:
                 self._had_saves.discard(rid)
                 self._finishing.add(rid)
@@ -534,7 +552,7 @@ class KVWorkerSide:
         recving: set[str] = set()
         for rid, load in list(self._req_loads.items()):
             if not load.remaining:
-                del self._req_loads[rid]
+                self._load_ended(rid)
                 recving.add(rid)
                 if not load.aborted:
                     if load.failed_blocks:
@@ -573,8 +591,13 @@ class KVWorkerSide:
 
     def events_report(self) -> SavedReport | None:
         """``build_connector_worker_meta``: the values confirmed or failed, and keys removed, since the last
-        call (None: events off, or nothing new)."""
-        return self.events.take() if self.events is not None else None
+        call, and what the host tier indexed and let go (None: both off, or nothing new)."""
+        report = self.events.take() if self.events is not None else None
+        news = self.tier_news.take() if self.tier_news is not None else None
+        if news is not None:
+            report = report if report is not None else SavedReport()
+            report.tiers[self.rank] = news
+        return report
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.failed_loads.take_blocks()
@@ -614,6 +637,7 @@ class KVWorkerSide:
             "sync_failed": int(self._sync_failed),
             "deletes": self._purger.pending,
             "event_reports": self.events.held() if self.events is not None else 0,
+            "tier_claims": self.tier_news.held() if self.tier_news is not None else 0,
         }
         out.update({f"loader_{k}": v for k, v in self.loader.held().items()})
         out.update({f"saver_{k}": v for k, v in self.saver.held().items()})
@@ -628,6 +652,8 @@ class KVWorkerSide:
         if self.events is not None and getattr(backend, "on_removed", None) == self.report_removed:
             backend.on_removed = None  # the backend must not reach into a closed worker
         self.loader.close(timeout)
+        if self.tier_news is not None:
+            self.tier_news.close()
         self.saver.close(timeout).log(
             log, "KV connector", timeout, "those prompts are computed again on their next request"
         )
