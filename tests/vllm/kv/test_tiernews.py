@@ -169,16 +169,20 @@ def test_two_ranks_hits_served_by_both_tiers_are_counted_as_host(make_sim: Any, 
     assert hits == {CacheHitSource.HOST: 4 * 16}
     assert [w.store.host_tier.stats.hits for w in workers] == [4, 4]  # type: ignore[union-attr]
 
-    # Rank 1's tier loses value 2 (deleted through it): the scheduler hears of it, and counts value 2 and
-    # the ones after it under the store's source (the load still reads them from the store).
+    # Rank 1's tier loses value 2 (deleted through it) and lets value 3 go (withdrawn: readable until the
+    # scheduler acknowledges). The scheduler hears of both before it plans the next load (its lookup takes
+    # a step), and counts those two under the store's source; the loads are right either way.
     tier1 = workers[1].store.host_tier
     assert tier1 is not None
     keys1 = [workers[1].keys.store_key(h, 1) for h in workers[1].keys.value_hashes(sim_hashes(tokens))]
     assert tier1.lru.discard([keys1[2]]) == 1
+    tier1.lru.forget(keys1[3])
+    assert tier1.lru.withdrawn == 1
     seen.clear()
     assert sim.scheduler.reset_prefix_cache()
     sim.add_request("c", [*tokens, 6], max_tokens=2)
     run_checked(sim)
     hits = {k: v for s in seen for k, v in s.items()}
-    assert hits == {CacheHitSource.HOST: 3 * 16, CacheHitSource.DISK: 16}
+    assert hits == {CacheHitSource.HOST: 2 * 16, CacheHitSource.DISK: 2 * 16}
+    assert tier1.lru.withdrawn == 0  # acknowledged through the metadata: its room is free again
     assert leaks(sim) == []
