@@ -36,7 +36,6 @@ from asyncconn.backend import (
     NOT_CACHED,
     Buffer,
     IntoRead,
-    RemovedHook,
     Sink,
     StorageBackend,
     Value,
@@ -45,7 +44,7 @@ from asyncconn.backend import (
     checked_keys,
 )
 from asyncconn.exceptions import AsyncConnError
-from asyncconn.url import StoreURL
+from asyncconn.wrapped import WrappingBackend
 
 __all__ = ["LayeredBackend", "LayeredStats"]
 
@@ -71,9 +70,10 @@ class LayeredStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class LayeredBackend(StorageBackend):
+class LayeredBackend(WrappingBackend):
     """``local`` in front of ``shared`` (see the module docstring). Owned by the runtime loop thread."""
 
+    built_as: ClassVar[str] = "joins two open backends: LayeredBackend(local, shared)"
     reads_into: ClassVar[bool] = True
     batch_reads: ClassVar[bool] = True
     cached_reads: ClassVar[bool] = True
@@ -85,18 +85,10 @@ class LayeredBackend(StorageBackend):
         self._closed = False
         self._warned = False
 
-    @classmethod
-    async def from_url(cls, url: StoreURL) -> LayeredBackend:
-        raise TypeError("a LayeredBackend joins two open backends: LayeredBackend(local, shared)")
-
-    @property  # type: ignore[override]
-    def on_removed(self) -> RemovedHook | None:
-        """The shared store's removals hook (what leaves the local disk alone stays in the store)."""
-        return self.shared.on_removed
-
-    @on_removed.setter
-    def on_removed(self, hook: RemovedHook | None) -> None:
-        self.shared.on_removed = hook
+    @property
+    def removals_from(self) -> StorageBackend:
+        """The shared store: its removals are this store's (what leaves the local disk alone stays in it)."""
+        return self.shared
 
     # -- writes ------------------------------------------------------------------------------------------
     async def put(self, items: Sequence[tuple[str, Value]]) -> None:

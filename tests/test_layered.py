@@ -17,8 +17,10 @@ from asyncconn_backends.memory import MemoryBackend
 from asyncconn.backend import NOT_CACHED
 from asyncconn.config import Settings
 from asyncconn.exceptions import BackendError, BackendUnavailable, ConfigError
+from asyncconn.hosttier import HostTier
 from asyncconn.layered import LayeredBackend
 from asyncconn.store import Fetch, TensorStore
+from asyncconn.url import parse_url
 from tests.servers import RedisServer
 
 
@@ -157,3 +159,25 @@ def test_local_store_url_must_be_a_file_url() -> None:
         Settings.from_extra_config({"local_store_url": "redis://127.0.0.1:6379"})
     with pytest.raises(ConfigError, match="local_store_url"):
         Settings.from_extra_config({"local_store_url": "file:///x?no_such_param=1"})
+
+
+async def test_wrappers_are_not_opened_from_urls_and_report_the_wrapped_stores_removals(
+    tmp_path: Path,
+) -> None:
+    """``WrappingBackend``: the host tier and the layered store refuse ``from_url`` and hand ``on_removed``
+    to the store whose removals they report (the shared one; the tier's inner one)."""
+    local, shared = FileBackend(tmp_path / "local"), MemoryBackend()
+    layered = LayeredBackend(local, shared)
+    tier = HostTier(layered, 1 << 16)
+    told: list[str] = []
+    tier.on_removed = told.extend
+    assert shared.on_removed == told.extend and local.on_removed is None
+    assert tier.on_removed == told.extend and layered.on_removed == told.extend
+    layered.on_removed = None
+    assert shared.on_removed is None and tier.on_removed is None
+    url = parse_url("memory://")
+    with pytest.raises(TypeError, match=r"a LayeredBackend joins two open backends: LayeredBackend\("):
+        await LayeredBackend.from_url(url)
+    with pytest.raises(TypeError, match=r"a HostTier wraps an open backend: HostTier\(backend, capacity\)"):
+        await HostTier.from_url(url)
+    await tier.close()
