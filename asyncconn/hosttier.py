@@ -68,7 +68,6 @@ from asyncconn.backend import (
     NOT_CACHED,
     Buffer,
     IntoRead,
-    RemovedHook,
     Sink,
     StorageBackend,
     Value,
@@ -89,7 +88,7 @@ from asyncconn.hostarena import (
     copy_segments,
     populated_memory,
 )
-from asyncconn.url import StoreURL
+from asyncconn.wrapped import WrappingBackend
 
 __all__ = ["HostLRU", "HostTier", "OnEvict", "TierStats"]
 
@@ -441,7 +440,7 @@ class HostLRU:
             self.on_evict(keys)
 
 
-class HostTier(StorageBackend):
+class HostTier(WrappingBackend):
     """``inner`` behind a host-memory LRU of at most ``capacity`` bytes (see the module's docstring).
 
     Reads straight into caller memory and serves ``cached_only`` reads: a value in the tier is a memory
@@ -476,18 +475,12 @@ class HostTier(StorageBackend):
         )
         self._closed = False
 
-    @classmethod
-    async def from_url(cls, url: StoreURL) -> HostTier:
-        raise TypeError("a HostTier wraps an open backend: HostTier(backend, capacity)")
+    built_as: ClassVar[str] = "wraps an open backend: HostTier(backend, capacity)"
 
-    @property  # type: ignore[override]
-    def on_removed(self) -> RemovedHook | None:
-        """The store's removals hook: the inner store's (what leaves the tier alone stays in the store)."""
-        return self.inner.on_removed
-
-    @on_removed.setter
-    def on_removed(self, hook: RemovedHook | None) -> None:
-        self.inner.on_removed = hook
+    @property
+    def removals_from(self) -> StorageBackend:
+        """The inner store: its removals are the tier's (what leaves the tier alone stays in the store)."""
+        return self.inner
 
     @property
     def stats(self) -> TierStats:
