@@ -28,9 +28,8 @@ HOST_COUNTERS = ("host_hits", "host_misses", "host_bytes_hit", "host_evictions")
 
 #: The local store's counters (``local_store_url``), named alike for KV and EC: reads it served (never
 #: reaching the shared store), reads it passed on, values read from the shared store and written locally,
-#: values read from the shared store and not written locally (too many bytes of such writes under way),
 #: local reads or writes that failed.
-LOCAL_COUNTERS = ("local_hits", "local_misses", "local_fills", "local_fills_skipped", "local_errors")
+LOCAL_COUNTERS = ("local_hits", "local_misses", "local_fills", "local_errors")
 
 
 class Totals:
@@ -100,7 +99,6 @@ def local_totals(layered: Any) -> dict[str, int]:
         "local_hits": stats.local_hits,
         "local_misses": stats.local_misses,
         "local_fills": stats.fills,
-        "local_fills_skipped": stats.fills_skipped,
         "local_errors": stats.local_errors,
     }
 
@@ -110,4 +108,4 @@ def local_mark(layered: Any) -> object:
     if layered is None:
         return None
     stats = layered.stats
-    return (stats.local_hits, stats.local_misses, stats.fills, stats.fills_skipped, stats.local_errors)
+    return (stats.local_hits, stats.local_misses, stats.fills, stats.local_errors)
