@@ -393,12 +393,19 @@ def test_lookups_through_a_lookup_server(make_sim: Any, runtime: Any) -> None:
         runtime.run(server.close(), timeout=10)
 
 
-@pytest.mark.parametrize("sync_loads", [False, True], ids=["async-loads", "sync-loads"])
+@pytest.mark.parametrize(
+    ("sync_loads", "tier"),
+    [(False, None), (True, None), (False, "8KiB")],
+    ids=["async-loads", "sync-loads", "async-loads-small-host-tier"],
+)
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_workload_with_aborts_and_preemptions(make_sim: Any, seed: int, sync_loads: bool) -> None:
+def test_random_workload_with_aborts_and_preemptions(
+    make_sim: Any, seed: int, sync_loads: bool, tier: str | None
+) -> None:
     """Shared prefixes, a small KV pool (preemptions), a slow store and aborts at random moments: KV correct
-    after every step on both ranks, every request finished, nothing left anywhere -- with asynchronous loads
-    and with sync loads (``kv_sync_loads``)."""
+    after every step on both ranks, every request finished, nothing left anywhere -- with asynchronous loads,
+    with sync loads (``kv_sync_loads``), and with a host tier of a few values per rank (evicting all the
+    time: announced values withdrawn and acknowledged, loads' values claimed; asyncconn.vllm.kv.tiernews)."""
     import random
 
     rng = random.Random(seed)
@@ -417,7 +424,7 @@ def test_random_workload_with_aborts_and_preemptions(make_sim: Any, seed: int, s
 
     def tp_sim() -> Any:
         sim = make_sim(
-            kv=kv_spec(url, kv_blocks_per_value=bpv, kv_sync_loads=sync_loads),
+            kv=kv_spec(url, kv_blocks_per_value=bpv, kv_sync_loads=sync_loads, host_cache_bytes=tier or 0),
             num_workers=2,
             shape=SimShape(num_blocks=24),
             max_num_seqs=8,
@@ -427,6 +434,7 @@ def test_random_workload_with_aborts_and_preemptions(make_sim: Any, seed: int, s
         )
         return sim
 
+    evictions = 0
     for wave in range(2):
         sim = tp_sim()
         ids = workload(sim, f"w{wave}-", 10)
@@ -443,7 +451,10 @@ def test_random_workload_with_aborts_and_preemptions(make_sim: Any, seed: int, s
                 time.sleep(0.002)
         assert set(sim.finish_reasons) == ids
         assert leaks(sim) == []
+        if tier is not None:
+            evictions += sum(w.kv_connector.worker_side.store.host_tier.stats.evictions for w in sim.workers)
         sim.close()
+    assert tier is None or evictions > 0  # the small tier did evict (announced values withdrawn)
 
 
 def test_tp_abort_after_one_rank_reported_its_load(make_sim: Any) -> None:
