@@ -23,8 +23,9 @@ __all__ = [
 ]
 
 #: The host tier's counters (``host_cache_bytes``), named alike for KV and EC: reads it served (never
-#: reaching the store), reads it passed to the store, bytes it served, values it evicted.
-HOST_COUNTERS = ("host_hits", "host_misses", "host_bytes_hit", "host_evictions")
+#: reaching the store), reads it passed to the store, bytes it served, values it evicted, values it did not
+#: keep (larger than the bound, or no room: the rest read, claimed, being filled or withdrawn).
+HOST_COUNTERS = ("host_hits", "host_misses", "host_bytes_hit", "host_evictions", "host_bypassed")
 
 #: The local store's counters (``local_store_url``), named alike for KV and EC: reads it served (never
 #: reaching the shared store), reads it passed on, values read from the shared store and written locally,
@@ -82,12 +83,16 @@ def host_totals(tier: Any) -> dict[str, int]:
         "host_misses": stats.misses,
         "host_bytes_hit": stats.bytes_hit,
         "host_evictions": stats.evictions,
+        "host_bypassed": stats.bypassed,
     }
 
 
 def host_mark(tier: Any) -> object:
     """The fingerprint of :func:`host_totals` for :class:`Totals` (None: no tier)."""
-    return None if tier is None else (tier.stats.hits, tier.stats.misses, tier.stats.evictions)
+    if tier is None:
+        return None
+    stats = tier.stats
+    return stats.hits, stats.misses, stats.evictions, stats.bypassed
 
 
 def local_totals(layered: Any) -> dict[str, int]:

@@ -35,6 +35,8 @@ async def test_worker_totals_report_the_tiers_counters_and_the_log_omits_them_wh
     size = held.extent.size
     assert taken == {"host_hits": 2, "host_misses": 1, "host_bytes_hit": 2 * size}
     assert totals.take() == {}
+    await store.put([("big", torch.randn(1 << 19))])  # 2 MiB: over the 1 MiB bound, not kept
+    assert totals.take() == {"host_bypassed": 1}
     stats = AsyncConnKVStats()
     for name, change in taken.items():
         stats.add(name, change)
