@@ -349,10 +349,13 @@ def decode_bench(
     *,
     kv_extra: dict[str, Any] | None = None,
     label: str = "asyncconn kv_both (file://)",
+    also: tuple[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Decode tokens/s with the KV connector attached (nothing to load) vs without, alternating rounds.
 
     ``kv_extra``: the connector's ``extra_config`` (default: a fresh ``file://`` store), named ``label``.
+    ``also``: a third engine in every round, ``(its label, its extra_config)``, and the ratio of ``label``'s
+    rate to its own, per round (e.g. the same store without a host tier: what the tier itself costs).
 
     Each engine is timed on ``batches`` batches of fresh prompts (its median is its rate), and the ratio is
     the median of the per-round ratios: the two engines of a round run back to back, so a box whose speed
@@ -369,13 +372,17 @@ def decode_bench(
     without, with_kv = "no connector", label
     extra = kv_extra if kv_extra is not None else {"backend_url": f"file://{workdir / 'store'}"}
     rates: dict[str, list[float]] = {without: [], with_kv: []}
+    extras: dict[str, dict[str, Any]] = {with_kv: extra}
+    if also is not None:
+        rates[also[0]] = []
+        extras[also[0]] = also[1]
     rng = random.Random(3)
     # One in-process engine at a time (closing one tears down vLLM's process groups): each round builds
     # both engines afresh, in alternating order.
     for round_no in range(rounds):
         names = list(rates) if round_no % 2 == 0 else list(reversed(rates))
         for name in names:
-            kv = None if name == without else kv_config(**extra)
+            kv = None if name == without else kv_config(**extras[name])
             llm = make_llm(model, kv=kv, max_num_seqs=requests)
             try:
                 warm = [[rng.randrange(5, vocab) for _ in range(64)]]
@@ -399,6 +406,10 @@ def decode_bench(
         figures[f"{name}: tokens/s median"] = round(statistics.median(values), 1)
     figures["with connector / without, per round"] = [round(r, 3) for r in ratios]
     figures["with connector / without"] = round(statistics.median(ratios), 3)
+    if also is not None:
+        versus = [w / b for w, b in zip(rates[with_kv], rates[also[0]], strict=True)]
+        figures[f"{with_kv} / {also[0]}, per round"] = [round(r, 3) for r in versus]
+        figures[f"{with_kv} / {also[0]}"] = round(statistics.median(versus), 3)
     return {
         "title": (
             f"decode throughput, {requests} requests x {max_tokens} tokens ({model_name}), "

@@ -199,11 +199,12 @@ def tiers_bench(
 
 def tier_decode_bench(rounds: int = 3, host_cache_bytes: int = 512 << 20) -> dict[str, Any]:
     """Decode tokens/s with the KV connector and its host tier attached (``redis://``, nothing to load)
-    against no connector, on ``text-100m``."""
+    against no connector, and against the same connector without the tier, on ``text-100m``."""
     with _redis_url() as redis_url:
         return decode_bench(
             model_name="text-100m",
             rounds=rounds,
             kv_extra={"backend_url": redis_url, "host_cache_bytes": host_cache_bytes},
             label="asyncconn kv_both (redis://, host tier)",
+            also=("asyncconn kv_both (redis://, no tier)", {"backend_url": redis_url}),
         )
