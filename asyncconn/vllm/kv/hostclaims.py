@@ -31,7 +31,20 @@ from asyncconn.hosttier import HostTier
 from asyncconn.vllm.kv.metadata import ValueRef
 from asyncconn.vllm.kv.parts import ValueParts
 
-__all__ = ["HostClaims", "HostHits", "register_tier", "registered_tier", "unregister_tier"]
+__all__ = ["HostClaims", "HostHits", "register_tier", "registered_tier", "unregister_tier", "whole_tokens"]
+
+
+def whole_tokens(values: Sequence[ValueRef], held: Sequence[bool], block_size: int) -> int:
+    """The tokens of the values whose every part is ``held`` (``held[i]``: ``values[i]``'s part); a value of
+    several parts has the same positions in each, so it counts once."""
+    missing = {ref.value_hash for ref, ok in zip(values, held, strict=True) if not ok}
+    counted: set[bytes] = set()
+    tokens = 0
+    for ref in values:
+        if ref.value_hash not in missing and ref.value_hash not in counted:
+            counted.add(ref.value_hash)
+            tokens += len(ref.positions) * block_size
+    return tokens
 
 
 class HostHits(Protocol):
@@ -45,6 +58,7 @@ class HostHits(Protocol):
     def acks(self) -> dict[int, int]: ...
     def held(self) -> dict[str, int]: ...
     def close(self) -> None: ...
+
 
 # engine key -> the tiers registered under it (weakly: a worker that never shut down keeps nothing alive)
 _TIERS: dict[str, list[weakref.ref[HostTier]]] = {}
@@ -99,13 +113,7 @@ class HostClaims:
         held = tier.lru.claim(rid, keys)
         if any(held):
             self._claimed[rid] = tier
-        missing = {ref.value_hash for ref, ok in zip(values, held, strict=True) if not ok}
-        counted: set[bytes] = set()
-        tokens = 0
-        for ref in values:  # a value of several parts has the same positions in each
-            if ref.value_hash not in missing and ref.value_hash not in counted:
-                counted.add(ref.value_hash)
-                tokens += len(ref.positions) * self.block_size
+        tokens = whole_tokens(values, held, self.block_size)
         if tokens:
             self._tokens[rid] = tokens
         return tokens

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from asyncconn.hosttier import HostLRU
+from asyncconn.vllm.kv.hostclaims import whole_tokens
 from asyncconn.vllm.kv.metadata import ValueRef
 from asyncconn.vllm.kv.parts import ValueParts
 
@@ -105,13 +106,7 @@ class TierMirror:
         """The tokens of ``rid``'s planned load whose every part every rank's tier holds (what
         :meth:`take_tokens` answers next). Nothing is pinned here: each worker claims its load's values."""
         self._tokens.pop(rid, None)
-        missing = {ref.value_hash for ref in values if not self._everywhere(ref)}
-        counted: set[bytes] = set()
-        tokens = 0
-        for ref in values:
-            if ref.value_hash not in missing and ref.value_hash not in counted:
-                counted.add(ref.value_hash)
-                tokens += len(ref.positions) * self.block_size
+        tokens = whole_tokens(values, [self._everywhere(ref) for ref in values], self.block_size)
         if tokens:
             self._tokens[rid] = tokens
         return tokens

@@ -19,7 +19,7 @@ from vllm.v1.request import Request
 from asyncconn.vllm.kv import events as kv_events
 from asyncconn.vllm.kv.events import KVEvents, SavedReport, SaveReports, tier_of
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
-from tests.vllm.kv.test_support import kv_spec, leaks, prompt, run_checked, store_url
+from tests.vllm.kv.test_support import kv_spec, leaks, prompt, record_hit_sources, run_checked, store_url
 
 pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
 
@@ -204,16 +204,7 @@ def test_hits_are_counted_under_the_stores_source(make_sim: Any, tmp_path: Path)
     run_checked(first)
     first.close()
     sim = make_sim(kv=kv_spec(url))
-    seen: list[dict[Any, int]] = []
-    make_stats = sim.scheduler.make_stats
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        stats = make_stats(*args, **kwargs)
-        if stats is not None and stats.connector_prefix_cache_stats is not None:
-            seen.append(dict(stats.connector_prefix_cache_stats.hits_by_source))
-        return stats
-
-    sim.scheduler.make_stats = recording
+    seen = record_hit_sources(sim)
     sim.add_request("b", [*tokens, 9], max_tokens=1)
     run_checked(sim)
     hits = {k: v for s in seen for k, v in s.items()}

@@ -45,6 +45,22 @@ def check_kv(sim: Any) -> int:
     return checked
 
 
+def record_hit_sources(sim: Any) -> list[dict[Any, int]]:
+    """Every step's hits by source as vLLM's scheduler records them (``get_external_cache_hit_sources``),
+    appended to the list returned as the simulator runs."""
+    seen: list[dict[Any, int]] = []
+    make_stats = sim.scheduler.make_stats
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        stats = make_stats(*args, **kwargs)
+        if stats is not None and stats.connector_prefix_cache_stats is not None:
+            seen.append(dict(stats.connector_prefix_cache_stats.hits_by_source))
+        return stats
+
+    sim.scheduler.make_stats = recording
+    return seen
+
+
 def run_checked(sim: Any, max_steps: int = 2000) -> list[Any]:
     """``run_until_idle`` with :func:`check_kv` after every step."""
     records: list[Any] = []

@@ -20,7 +20,7 @@ from asyncconn.vllm.kv.metadata import ValueRef
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.tiernews import TierMirror, WorkerTierNews
 from tests.vllm.kv.test_connector import sim_hashes
-from tests.vllm.kv.test_support import kv_spec, leaks, prompt, run_checked
+from tests.vllm.kv.test_support import kv_spec, leaks, prompt, record_hit_sources, run_checked
 
 pytestmark = pytest.mark.interface
 
@@ -136,25 +136,11 @@ def test_the_scheduler_counts_a_value_every_rank_holds_as_a_stale_report_said_an
 # -- vLLM's scheduler, two workers ------------------------------------------------------------------------
 
 
-def _record_sources(sim: Any) -> list[dict[Any, int]]:
-    seen: list[dict[Any, int]] = []
-    make_stats = sim.scheduler.make_stats
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        stats = make_stats(*args, **kwargs)
-        if stats is not None and stats.connector_prefix_cache_stats is not None:
-            seen.append(dict(stats.connector_prefix_cache_stats.hits_by_source))
-        return stats
-
-    sim.scheduler.make_stats = recording
-    return seen
-
-
 def test_two_ranks_hits_served_by_both_tiers_are_counted_as_host(make_sim: Any, tmp_path: Path) -> None:
     url = f"file://{tmp_path}"
     tokens = prompt(21, 4 * 16 + 3)
     sim = make_sim(kv=kv_spec(url, host_cache_bytes="4MiB"), num_workers=2)
-    seen = _record_sources(sim)
+    seen = record_hit_sources(sim)
     sim.add_request("a", tokens, max_tokens=2)
     run_checked(sim)
     mirror = sim.scheduler.connector.scheduler_side.host
