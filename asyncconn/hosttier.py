@@ -309,7 +309,8 @@ class HostLRU:
     def reserve(self, nbytes: int) -> Extent | None:
         """Room for a value of ``nbytes``, evicting least recently used values as needed; ``None`` when it
         cannot fit (larger than the bound, or the rest is pinned or being filled) -- then nothing is
-        evicted. The room is the caller's until :meth:`commit` or :meth:`release`."""
+        evicted -- or, in announced mode, when its room is still withdrawn (evicted now, free once
+        acknowledged). The room is the caller's until :meth:`commit` or :meth:`release`."""
         evicted: list[str] = []
         with self._lock:
             extent = self._reserve(nbytes, evicted)
