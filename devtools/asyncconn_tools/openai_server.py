@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from asyncconn_tools import prometheus
 from asyncconn_tools.chaos.procs import free_port
 
 __all__ = ["OpenAIServer", "alive", "descendants", "listening_ports", "server_env", "shm_entries", "stop_all"]
@@ -191,34 +192,15 @@ class OpenAIServer:
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` as series name -> value summed over label sets."""
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as reply:
-            text = reply.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("#") or " " not in line:
-                continue
-            series, value = line.rsplit(" ", 1)
-            name = series.split("{", 1)[0]
-            with contextlib.suppress(ValueError):
-                out[name] = out.get(name, 0.0) + float(value)
-        return out
+        return prometheus.totals(self._scrape())
 
     def metrics_by(self, name: str, label: str) -> dict[str, float]:
         """One series of ``/metrics`` by the value of one of its labels (summed over the others)."""
+        return prometheus.by_label(self._scrape(), name, label)
+
+    def _scrape(self) -> str:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as reply:
-            text = reply.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line.startswith(name + "{"):
-                continue
-            series, value = line.rsplit(" ", 1)
-            labels = dict(
-                part.split("=", 1) for part in series[len(name) + 1 : -1].split(",") if "=" in part
-            )
-            key = labels.get(label, '""').strip('"')
-            with contextlib.suppress(ValueError):
-                out[key] = out.get(key, 0.0) + float(value)
-        return out
+            return str(reply.read().decode())
 
     def tree(self) -> set[int]:
         """The server's pid and every process below it."""

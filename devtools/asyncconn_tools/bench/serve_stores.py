@@ -23,10 +23,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from asyncconn_tools import prometheus
 
 __all__ = [
     "STORES",
@@ -158,22 +160,6 @@ def lmcache_drained(status: Mapping[str, Any]) -> bool:
     )
 
 
-def _prometheus(text: str, keep: Callable[[str], bool]) -> dict[str, float]:
-    """Prometheus text as series name -> value summed over label sets, for the names ``keep`` takes."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        series, value = line.rsplit(" ", 1)
-        name = series.split("{", 1)[0]
-        if keep(name):
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                continue
-    return out
-
-
 class LMCacheServer:
     """LMCache's own server in its multi-process mode (``lmcache server``), the store LMCacheMPConnector
     talks to: what an operator comparing the two runs beside vLLM."""
@@ -226,7 +212,7 @@ class LMCacheServer:
 
         out = {
             f"lmcache.{name.removeprefix('lmcache_')}": value
-            for name, value in _prometheus(self._get("/metrics"), wanted).items()
+            for name, value in prometheus.totals(self._get("/metrics"), wanted).items()
         }
         manager = self.status().get("storage_manager", {})
         out["lmcache.l1_objects"] = float(manager.get("l1_manager", {}).get("total_object_count", 0))
