@@ -103,3 +103,68 @@ def test_a_router_sees_the_stores_blocks_and_hits_count_as_disk(
         if m.name == "vllm:prompt_tokens_cached_by_source" and getattr(m, "value", 0)
     }
     assert by_source == {"disk": FULL_BLOCKS * BLOCK_SIZE}
+
+
+def test_a_router_sees_the_host_tier_apart_from_the_store(
+    text_model: Path, engines: list[Any], tmp_path: Path
+) -> None:
+    """With a host tier, the engine also publishes the tier's residency (``CPU``, ``asyncconn:host``): a
+    router replaying the events holds exactly the values the tier holds, after saves, after values leave
+    the tier, and after a load brings them back; the store's residency is untouched by the tier's."""
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    replay_port = _free_port()
+    events_config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{_free_port()}",
+        replay_endpoint=f"tcp://*:{replay_port}",
+    )
+    url = f"file://{tmp_path}"
+    llm = make_llm(
+        text_model, kv=kv_config(backend_url=url, host_cache_bytes="64MiB"), kv_events_config=events_config
+    )
+    engines.append(llm)
+    prompt, other = PROMPTS[0], PROMPTS[1][::-1]  # no shared prefix
+    probe = Probe(llm)
+    worker = probe.kv_worker_connector().worker_side
+    lru = worker.store.host_tier.lru
+    block_hashes = probe.block_hashes(prompt)[:FULL_BLOCKS]
+    value_keys = [worker.keys.store_key(h, 0) for h in worker.keys.value_hashes(block_hashes)]
+    want = [maybe_convert_block_hash(h) for h in block_hashes]
+
+    def in_tier() -> set[Any]:
+        return {h for h, key in zip(want, value_keys, strict=True) if key in lru}
+
+    def router() -> dict[tuple[Any, Any], set[Any]]:
+        """Every event so far, indexed as a router indexes them: (medium, ownership) -> block hashes."""
+        held: dict[tuple[Any, Any], set[Any]] = {}
+        for event in (e for batch in _replayed_batches(replay_port) for e in batch.events):
+            if isinstance(event, BlockStored | BlockRemoved):
+                where = held.setdefault((event.medium, event.ownership), set())
+                if isinstance(event, BlockStored):
+                    where.update(event.block_hashes)
+                else:
+                    where.difference_update(event.block_hashes)
+        return held
+
+    host, store = ("CPU", "asyncconn:host"), ("STORAGE", "asyncconn:file")
+    generate(llm, [prompt])
+    assert_idle(probe)
+    held = router()
+    assert held[host] == in_tier() == set(want) and held[store] == set(want)
+
+    assert lru.discard(value_keys[2:4]) == 2  # two values leave the tier (not the store)
+    generate(llm, [other])
+    assert_idle(probe)
+    held = router()
+    assert held[host] & set(want) == in_tier() == set(want) - set(want[2:4])
+    assert set(want) <= held[store]
+
+    assert llm.reset_prefix_cache()  # vLLM's own cache forgets the prompt: it is loaded, and the tier
+    generate(llm, [prompt])  # takes the two values in again
+    assert_idle(probe)
+    held = router()
+    assert held[host] & set(want) == in_tier() == set(want)

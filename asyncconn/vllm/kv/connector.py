@@ -19,8 +19,9 @@ and ``kv_sync_loads`` is refused at start-up (:mod:`asyncconn.vllm.kv.failures`)
 
 Routers and metrics (:mod:`asyncconn.vllm.kv.events`): with vLLM's KV events on (``--kv-events-config``), a
 producer publishes ``BlockStored`` for each value its workers confirmed in the store (and ``BlockRemoved``
-for removals a source reports), with the store's tier as ``medium``; external hits are counted under the
-store's ``CacheHitSource`` (``vllm:prompt_tokens_cached_by_source``).
+for removals a source reports), with the store's tier as ``medium``, and, with a host tier, the tiers' own
+residency (:mod:`asyncconn.vllm.kv.tierevents`); external hits are counted under the store's
+``CacheHitSource`` (``vllm:prompt_tokens_cached_by_source``), the host tiers' under ``host``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -50,11 +51,12 @@ from asyncconn.url import redact
 from asyncconn.vllm.checks import check_extra_config
 from asyncconn.vllm.kv.events import KVEvents, SaveReports, tier_of
 from asyncconn.vllm.kv.groups import GroupLayout, check_groups, check_sync_loads
-from asyncconn.vllm.kv.hostclaims import HostClaims, HostHits, register_tier, unregister_tier
+from asyncconn.vllm.kv.hostclaims import HostClaims, register_tier, unregister_tier
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
+from asyncconn.vllm.kv.tierevents import TierEvents
 from asyncconn.vllm.kv.tiernews import TierMirror, WorkerTierNews
 from asyncconn.vllm.kv.worker import KVWorkerSide
 from asyncconn.vllm.logs import follow_vllm_logging, log_start
@@ -103,6 +105,22 @@ def _pipeline_size(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
 
 
+#: How the scheduler follows the workers' host tiers (see ``AsyncConnKVConnector.__init__``).
+TierMode = Literal["none", "claims", "reports"]
+
+
+def _tier_mode(followed: bool, events: bool, consumer: bool, tp_size: int) -> TierMode:
+    """``reports`` with KV events (the tiers' events) or several ranks; ``claims`` for one rank without
+    events; ``none`` without a tier, with pipeline parallelism, or when nothing needs the tiers."""
+    if not followed:
+        return "none"
+    if events:
+        return "reports"
+    if not consumer:
+        return "none"
+    return "claims" if tp_size == 1 else "reports"
+
+
 def _kv_events_on(vllm_config: Any) -> bool:
     """vLLM publishes KV events (``--kv-events-config`` with ``enable_kv_cache_events``)."""
     events = getattr(vllm_config, "kv_events_config", None)
@@ -149,14 +167,14 @@ class AsyncConnKVConnector(
         source = _hit_source(self.tier.hit_source)
         if source is not None:  # what vLLM's get_external_cache_hit_sources counts our hits under
             self._cache_hit_source = source
-        # How the host tier's hits come to be counted as ``host`` is chosen here, once, by the engine's
-        # shape (``_host_hits``): one rank, the scheduler claims in its worker's tier, registered under
-        # ``_tier_name``; several, the workers report their tiers to the scheduler.
+        # How the scheduler follows the workers' host tiers is chosen here, once (``_tier_mode``): not at
+        # all (no tier, pipeline parallelism); one rank without KV events, the scheduler claims in its
+        # worker's tier, registered under ``_tier_name``; several ranks, or KV events on, the workers report
+        # their tiers and the scheduler mirrors them (hits counted as ``host``, the tiers' own events).
         self._tier_name = f"{config.engine_id}/{keys.namespace.hex()}"
-        self._tracks_tier = (
-            self.settings.host_cache_bytes > 0 and config.is_kv_consumer and _pipeline_size(vllm_config) == 1
-        )
-        events = _kv_events_on(vllm_config) and config.is_kv_producer
+        self._events = events = _kv_events_on(vllm_config) and config.is_kv_producer
+        self._tier_followed = self.settings.host_cache_bytes > 0 and _pipeline_size(vllm_config) == 1
+        self._tier_mode = _tier_mode(self._tier_followed, events, config.is_kv_consumer, tp_size)
         if role == KVConnectorRole.SCHEDULER:
             lookup = None
             if config.is_kv_consumer:
@@ -169,8 +187,8 @@ class AsyncConnKVConnector(
                 sync_loads=self.settings.kv_sync_loads,
                 events=KVEvents(keys, self.tier) if events else None,
                 parts=parts,
-                host=self._host_hits(parts),
             )
+            self._follow_tiers(self._scheduler, parts)
             where = _lookups(self.settings, lookup)
             log_start("KV", f"scheduler ({config.kv_role})", self.settings, lookups=where)
         else:
@@ -251,20 +269,29 @@ class AsyncConnKVConnector(
             tier_news=self._worker_tier(store),
         )
 
-    def _host_hits(self, parts: ValueParts) -> HostHits | None:
-        """The scheduler's way to know which planned tokens the workers' host tiers serve (see __init__)."""
-        if not self._tracks_tier:
-            return None
-        if self._identity.tp_size == 1:
-            return HostClaims(self._tier_name, parts, self._identity.block_size)
-        return TierMirror(parts, self._identity.tp_size, self._identity.block_size)
+    def _follow_tiers(self, scheduler: KVSchedulerSide, parts: ValueParts) -> None:
+        """The scheduler's way to follow the workers' host tiers (see __init__): which planned tokens they
+        serve (``host``) and, with KV events, their events."""
+        if scheduler.host is not None:
+            scheduler.host.close()
+        if scheduler.tier_events is not None:
+            scheduler.tier_events.close()
+        scheduler.host = scheduler.tier_events = None
+        block_size = self._identity.block_size
+        if self._tier_mode == "claims":
+            scheduler.host = HostClaims(self._tier_name, parts, block_size)
+        elif self._tier_mode == "reports":
+            mirror = TierMirror(parts, self._identity.tp_size, block_size)
+            scheduler.host = mirror
+            if scheduler.events is not None:
+                scheduler.tier_events = TierEvents(scheduler.events, mirror)
 
     def _worker_tier(self, store: TensorStore) -> WorkerTierNews | None:
-        """One rank: the tier registered for the scheduler in this process; several: reporting to it."""
+        """Claims: the tier registered for the scheduler in this process; reports: reporting to it."""
         tier = store.host_tier
-        if not self._tracks_tier or tier is None:
+        if tier is None or self._tier_mode == "none":
             return None
-        if self._identity.tp_size == 1:
+        if self._tier_mode == "claims":
             register_tier(self._tier_name, tier)
             return None
         return WorkerTierNews(tier.lru)
@@ -273,15 +300,15 @@ class AsyncConnKVConnector(
     def configure_tensor_parallel(self, tp_size: int, rank: int = 0) -> None:
         """Override the TP size (and a worker's rank) where vLLM's TP group is not set up (simulators)."""
         self._identity = dataclasses.replace(self._identity, tp_size=tp_size)
+        consumer = self._kv_transfer_config.is_kv_consumer
+        self._tier_mode = _tier_mode(self._tier_followed, self._events, consumer, tp_size)
         parts = ValueParts.of(KeySpace(self._identity, self.settings.key_prefix), self._groups)
         keys = parts.keys[0]
         if self._scheduler is not None:
             self._scheduler.keys, self._scheduler.parts = keys, parts
-            if self._scheduler.host is not None:
-                self._scheduler.host.close()
-            self._scheduler.host = self._host_hits(parts)
             if self._scheduler.events is not None:
                 self._scheduler.events.keys = keys
+            self._follow_tiers(self._scheduler, parts)
         if self._worker is not None:
             self._worker.keys, self._worker.parts = keys, parts
             self._worker.set_rank(rank)

@@ -184,11 +184,7 @@ class KVEvents:
         self._stored_cls = kv_events.BlockStored
         self._removed_cls = kv_events.BlockRemoved
         fields = set(getattr(kv_events.BlockStored, "__struct_fields__", ()))
-        self._optional = {
-            name: value
-            for name, value in (("locality", tier.locality), ("ownership", tier.ownership))
-            if name in fields
-        }
+        self._stored_optional = {"locality", "ownership"} & fields
         removed_fields = set(getattr(kv_events.BlockRemoved, "__struct_fields__", ()))
         self._removed_optional = {"locality", "ownership"} & removed_fields
         self._has_extra_keys = "extra_keys" in fields
@@ -222,14 +218,11 @@ class KVEvents:
             log.warning("asyncconn KV events off: this vLLM refused a BlockStored event: %s", exc)
 
     def _planned(self, request_id: str, request: Any, values: Sequence[tuple[int, bytes]]) -> None:
-        bpv = self.keys.blocks_per_value
-        block_size = self.keys.identity.block_size
         mine = self._by_request.setdefault(request_id, [])
         for index, value_hash in values:
             pending = self._pending.get(value_hash)
             if pending is None:
-                first, end = index * bpv, (index + 1) * bpv
-                pending = _Pending(self._stored_event(request, first, end, block_size))
+                pending = _Pending(self._stored_event(request, index, self.tier))
                 self._pending[value_hash] = pending
                 if len(self._pending) > MAX_VALUES:
                     self._pending.popitem(last=False)
@@ -237,12 +230,25 @@ class KVEvents:
             pending.refs += 1
             mine.append(value_hash)
 
-    def stored(self, events: Iterable[Any]) -> None:
-        """Publish ``BlockStored`` events built elsewhere (another tier of this connector)."""
-        for event in events:
+    def snapshot(self, request: Any, index: int, tier: Tier) -> Any | None:
+        """The ``BlockStored`` of ``request``'s value ``index`` in ``tier`` (another tier of this connector:
+        the host tier), to publish later with :meth:`emit`; None when the events are off (as ``planned``)."""
+        if self.off:
+            return None
+        try:
+            return self._stored_event(request, index, tier)
+        except (TypeError, ValueError, AttributeError, IndexError) as exc:
+            self.off = True
+            self.close()
+            log.warning("asyncconn KV events off: this vLLM refused a BlockStored event: %s", exc)
+            return None
+
+    def emit(self, event: Any) -> None:
+        """Publish an event built elsewhere (another tier of this connector); nothing when events are off."""
+        if not self.off:
             self._emit(event)
 
-    def removed(self, value_hashes: Iterable[bytes], tier: Tier | None = None) -> None:
+    def removed(self, value_hashes: Iterable[bytes]) -> None:
         """Values that left the store: one ``BlockRemoved`` of their block hashes (those still known)."""
         hashes: list[Any] = []
         for value_hash in value_hashes:
@@ -250,10 +256,13 @@ class KVEvents:
             if block_hashes is not None:
                 hashes.extend(block_hashes)
         if hashes:
-            tier = tier or self.tier
-            known = {"locality": tier.locality, "ownership": tier.ownership}
-            kwargs = {name: known[name] for name in self._removed_optional}
-            self._emit(self._removed_cls(block_hashes=hashes, medium=tier.medium, **kwargs))
+            self._emit(self.removed_event(hashes, self.tier))
+
+    def removed_event(self, block_hashes: list[Any], tier: Tier) -> Any:
+        """vLLM's ``BlockRemoved`` of ``block_hashes`` from ``tier``."""
+        known = {"locality": tier.locality, "ownership": tier.ownership}
+        kwargs = {name: known[name] for name in self._removed_optional}
+        return self._removed_cls(block_hashes=block_hashes, medium=tier.medium, **kwargs)
 
     def removed_keys(self, keys: Iterable[str]) -> None:
         """Store keys that left the store (any rank's key ends its value)."""
@@ -318,12 +327,17 @@ class KVEvents:
         while len(self._key_to_value) > MAX_VALUES * self.ranks:
             self._key_to_value.popitem(last=False)
 
-    def _stored_event(self, request: Any, first: int, end: int, block_size: int) -> Any:
-        """vLLM's ``BlockStored`` for blocks ``first..end`` of ``request``, as its prefix cache builds one."""
+    def _stored_event(self, request: Any, index: int, tier: Tier) -> Any:
+        """vLLM's ``BlockStored`` for value ``index`` of ``request`` in ``tier``, as its prefix cache builds
+        one for those blocks."""
         convert = self._convert
+        bpv = self.keys.blocks_per_value
+        block_size = self.keys.identity.block_size
+        first, end = index * bpv, (index + 1) * bpv
         hashes = request.block_hashes
         lora = getattr(request, "lora_request", None)
-        kwargs: dict[str, Any] = dict(self._optional)
+        known = {"locality": tier.locality, "ownership": tier.ownership}
+        kwargs: dict[str, Any] = {name: known[name] for name in self._stored_optional}
         if self._has_extra_keys:
             kwargs["extra_keys"] = _extra_keys(request, first, end, block_size)
         if self._has_session:
@@ -334,7 +348,7 @@ class KVEvents:
             token_ids=list(request.all_token_ids[first * block_size : end * block_size]),
             block_size=block_size,
             lora_id=lora.adapter_id if lora is not None else None,
-            medium=self.tier.medium,
+            medium=tier.medium,
             lora_name=lora.name if lora is not None else None,
             **kwargs,
         )

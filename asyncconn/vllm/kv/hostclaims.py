@@ -13,8 +13,9 @@ the scheduler can both see the tier and make it keep what it saw until the load 
   nor replaced in memory) and counts the tokens of the values whose every part it claimed as ``host``; the
   claims are released when the load has ended (``finished_recving``), the request is preempted or
   finishes, or the scheduler closes;
-- anything else -- several ranks (each has its own tier, in its own process), no tier, a value not in the
-  tier -- is counted under the store's own source, as before.
+- several ranks (each has its own tier, in its own process), or KV events on (the tiers' events need
+  their reports), use :mod:`asyncconn.vllm.kv.tiernews` instead; no tier, or a value not in the tier:
+  counted under the store's own source.
 
 A claimed value can still leave the tier for one reason: a delete (a damaged value found by a load). The
 load then reads the store, and those tokens were counted as ``host``; the load fails its frame check anyway.

@@ -42,6 +42,7 @@ from asyncconn.vllm.kv.metadata import (
     lookup_totals,
 )
 from asyncconn.vllm.kv.parts import ValueParts
+from asyncconn.vllm.kv.tierevents import TierEvents
 
 __all__ = ["IDLE_WAIT_S", "KVSchedulerSide"]
 
@@ -79,7 +80,9 @@ class KVSchedulerSide:
     confirm them (:mod:`asyncconn.vllm.kv.events`). ``parts``: how a value is split (default: one part,
     every layer, under ``keys``). ``host``: how the tokens a planned load reads from the workers' host
     tiers are known, to count them as ``host`` (:mod:`asyncconn.vllm.kv.hostclaims`,
-    :mod:`asyncconn.vllm.kv.tiernews`).
+    :mod:`asyncconn.vllm.kv.tiernews`). ``tier_events`` (KV events on, the tiers reporting to ``host``):
+    the host tiers' own events, snapshotted at every planned save and load
+    (:mod:`asyncconn.vllm.kv.tierevents`).
     """
 
     def __init__(
@@ -93,9 +96,11 @@ class KVSchedulerSide:
         events: KVEvents | None = None,
         parts: ValueParts | None = None,
         host: HostHits | None = None,
+        tier_events: TierEvents | None = None,
     ) -> None:
         self.keys = keys
         self.host = host
+        self.tier_events = tier_events
         self.parts = parts if parts is not None else ValueParts.single(keys)
         self.events = events
         self._events_dropped = 0  # ``events.dropped`` at the last stats()
@@ -230,6 +235,7 @@ class KVSchedulerSide:
         parts = self.parts
         window_from = parts.first_window_value(hit)
         values: list[ValueRef] = []
+        named: list[tuple[int, bytes]] = []  # (index, hash) of the values whose first part it loads
         loading: dict[int, frozenset[int]] = {}
         for v in range(first_block // bpv, hit):
             positions = tuple(j for j in range(bpv) if v * bpv + j >= first_block)
@@ -238,11 +244,15 @@ class KVSchedulerSide:
                 values.append(ValueRef(hashes[v], positions, ids, parts.whole))
             if parts.window is not None and v >= window_from:
                 values.append(ValueRef(hashes[v], positions, ids, parts.window))
+            if parts.whole == 0 or (parts.window == 0 and v >= window_from):
+                named.append((v, hashes[v]))
             loading[v] = frozenset(real_blocks(ids))
         if not self.sync_loads:  # a sync load ends with its step (``update_connector_output``)
             state.loading = loading
         if self.host is not None:  # (a sync load's claims are held until the request ends)
             self.host.claim(rid, values)
+        if self.tier_events is not None:  # the load puts them in the tiers
+            self.tier_events.planned(request, named)
         self._loads.append(LoadSpec(rid, tuple(values), sync=self.sync_loads))
 
     def host_tokens(self, rid: str) -> int:
@@ -353,9 +363,10 @@ class KVSchedulerSide:
         state.had_saves = True
         meta.saves.append(SaveSpec(rid, tuple(ref for _, ref in planned)))
         if self.events is not None:  # a value is announced by its first part (its hash is its ident)
-            self.events.planned(
-                rid, state.request, [(v, ref.value_hash) for v, ref in planned if ref.part == 0]
-            )
+            named = [(v, ref.value_hash) for v, ref in planned if ref.part == 0]
+            self.events.planned(rid, state.request, named)
+            if self.tier_events is not None:  # the save puts them in the tiers too
+                self.tier_events.planned(state.request, named)
 
     def update_connector_output(self, output: Any) -> None:
         """A received request's blocks are the scheduler's again; failed values are saved anew later.
@@ -374,6 +385,8 @@ class KVSchedulerSide:
         report = getattr(output, "kv_connector_worker_meta", None)
         if self.host is not None and isinstance(report, SavedReport) and report.tiers:
             self.host.update(report.tiers)
+            if self.tier_events is not None:
+                self.tier_events.update(report.tiers)
         if events is not None:  # the workers' confirmations first: a finished request's come with it
             if isinstance(report, SavedReport):
                 events.update(report)
@@ -486,6 +499,8 @@ class KVSchedulerSide:
         self._via_recv.clear()
         if self.host is not None:
             self.host.close()
+        if self.tier_events is not None:
+            self.tier_events.close()
         if self.events is not None:
             self.events.close()
         if self.lookup is not None:

@@ -2,9 +2,11 @@
 what it holds, and keeps what it told until the scheduler has seen it go.
 
 With several ranks each worker's tier lives in its own process, out of the scheduler's reach (one rank:
-:mod:`asyncconn.vllm.kv.hostclaims`). vLLM asks where a request's external tokens come from on the
-scheduler thread when it admits the request, and records the answer then; so the scheduler must know at
-that moment which values every rank's tier will serve. The protocol, over vLLM's own channels:
+:mod:`asyncconn.vllm.kv.hostclaims`, unless KV events are on: the tiers' events,
+:mod:`asyncconn.vllm.kv.tierevents`, are built from these reports, at any number of ranks). vLLM asks
+where a request's external tokens come from on the scheduler thread when it admits the request, and
+records the answer then; so the scheduler must know at that moment which values every rank's tier will
+serve. The protocol, over vLLM's own channels:
 
 - each worker's tier runs in announced mode (:meth:`HostLRU.announce`): every step the worker reports
   (``build_connector_worker_meta``, merged across workers by vLLM) the keys its tier indexed and the
@@ -106,7 +108,8 @@ class TierMirror:
         """The tokens of ``rid``'s planned load whose every part every rank's tier holds (what
         :meth:`take_tokens` answers next). Nothing is pinned here: each worker claims its load's values."""
         self._tokens.pop(rid, None)
-        tokens = whole_tokens(values, [self._everywhere(ref) for ref in values], self.block_size)
+        held = [self.everywhere(ref.part, ref.value_hash) for ref in values]
+        tokens = whole_tokens(values, held, self.block_size)
         if tokens:
             self._tokens[rid] = tokens
         return tokens
@@ -114,10 +117,14 @@ class TierMirror:
     def take_tokens(self, rid: str) -> int:
         return self._tokens.pop(rid, 0)
 
-    def _everywhere(self, ref: ValueRef) -> bool:
-        """Whether every rank's tier holds its key of ``ref``."""
-        space = self.parts.keys[ref.part]
-        return all(space.store_key(ref.value_hash, rank) in held for rank, held in enumerate(self._held))
+    def everywhere(self, part: int, value_hash: bytes) -> bool:
+        """Whether every rank's tier holds its key of part ``part`` of the value ``value_hash``."""
+        space = self.parts.keys[part]
+        return all(space.store_key(value_hash, rank) in held for rank, held in enumerate(self._held))
+
+    @property
+    def ranks(self) -> int:
+        return len(self._held)
 
     def release(self, rid: str) -> None:
         self._tokens.pop(rid, None)
