@@ -4,11 +4,15 @@ Usage: ``.venv/bin/python scripts/kv_events_cost.py [--requests N] [--tokens N] 
 20 requests of 4096 tokens, 16-token blocks, one block per value). Real vLLM ``Request`` objects (its block
 hasher); times :meth:`KVEvents.planned` (the snapshot taken when a save is planned) and the confirmation path
 (``update`` + ``take`` + ``release``) per value, after one warm-up request. With events off neither runs.
+Then, with a host tier (``host_cache_bytes``), the tier's events: :meth:`TierEvents.planned` (the snapshot
+at a planned save or load) and the reports' path per value, once for the value coming into the tier
+(mirror and events updated, ``BlockStored``) and once for it leaving (``BlockRemoved``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 from vllm import SamplingParams
@@ -18,6 +22,9 @@ from vllm.v1.request import Request
 
 from asyncconn.vllm.kv.events import KVEvents, SavedReport, tier_of
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+from asyncconn.vllm.kv.parts import ValueParts
+from asyncconn.vllm.kv.tierevents import TierEvents
+from asyncconn.vllm.kv.tiernews import TierMirror
 
 
 def main() -> None:
@@ -40,6 +47,8 @@ def main() -> None:
         )
         for i in range(args.requests + 1)
     ]
+    gc.collect()  # as vLLM's engine core does once it has started (``freeze_gc_heap``): collections then
+    gc.freeze()  # scan only what was made since, as in a serving engine
     events.planned("warm-up", requests[0], list(enumerate(requests[0].block_hashes)))
     events.release("warm-up")
     values = 0
@@ -59,6 +68,35 @@ def main() -> None:
     print(
         f"{values} values: planned {planned / values * 1e6:.1f} us/value, "
         f"update+take+release {confirmed / values * 1e6:.1f} us/value"
+    )
+    keys = events.keys
+    mirror = TierMirror(ValueParts.single(keys), 1, args.block_size)
+    tier = TierEvents(events, mirror)
+    snapshot = admitted = gone = 0.0
+    for seq, request in enumerate(requests[1:]):
+        hashes = list(request.block_hashes)
+        names = [keys.store_key(h, 0) for h in hashes]
+        t0 = time.perf_counter()
+        tier.planned(request, list(enumerate(hashes)))
+        t1 = time.perf_counter()
+        news = {0: (2 * seq + 1, names, [])}
+        mirror.update(news)
+        tier.update(news)
+        events.take()
+        t2 = time.perf_counter()
+        news = {0: (2 * seq + 2, [], names)}
+        mirror.update(news)
+        tier.update(news)
+        events.take()
+        t3 = time.perf_counter()
+        snapshot += t1 - t0
+        admitted += t2 - t1
+        gone += t3 - t2
+    assert tier.published() == 0
+    print(
+        f"host tier, {values} values: planned {snapshot / values * 1e6:.1f} us/value, "
+        f"into the tiers {admitted / values * 1e6:.1f} us/value, out {gone / values * 1e6:.1f} us/value "
+        "(names built outside the timing: the worker's reports carry them)"
     )
 
 

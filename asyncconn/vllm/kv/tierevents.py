@@ -51,7 +51,7 @@ class TierEvents:
 
     def planned(self, request: Any, values: Sequence[tuple[int, bytes]]) -> None:
         """``request`` saves or loads ``values`` (value index, value hash): a tier may take them in."""
-        keys = self.events.keys
+        new: list[bytes] = []
         for index, value_hash in values:
             known = self._known.get(value_hash)
             if known is not None:
@@ -59,12 +59,14 @@ class TierEvents:
                 continue
             event = self.events.snapshot(request, index, self.tier)
             if event is None:
-                return  # events are off
+                break  # events are off
             self._known[value_hash] = _Known(event)
-            for rank in range(self.mirror.ranks):
-                self._key_to_value[keys.store_key(value_hash, rank)] = value_hash
-            if len(self._known) > MAX_VALUES:
-                self._forget_oldest()
+            new.append(value_hash)
+        keys = self.events.keys
+        for rank in range(self.mirror.ranks):  # (one hasher per rank: a key each costs little then)
+            self._key_to_value.update(zip(keys.store_keys(new, rank), new, strict=True))
+        while len(self._known) > MAX_VALUES:
+            self._forget_oldest()
 
     def update(self, news: Mapping[int, TierNews]) -> None:
         """The ranks' reports, already applied to the mirror: publish what changed for the tiers together."""
@@ -101,4 +103,4 @@ class TierEvents:
         value_hash, _ = self._known.popitem(last=False)
         keys = self.events.keys
         for rank in range(self.mirror.ranks):
-            self._key_to_value.pop(keys.store_key(value_hash, rank), None)
+            self._key_to_value.pop(keys.store_keys((value_hash,), rank)[0], None)
