@@ -188,6 +188,12 @@ class HostLRU:
     def __len__(self) -> int:
         return len(self._index)
 
+    def readable(self, key: str) -> bool:
+        """Whether a read of ``key`` would be served now: indexed, or withdrawn and not yet acknowledged
+        (nothing is marked used: for checks)."""
+        with self._lock:
+            return key in self._index or key in self._withdrawn_by_key
+
     def pin(self, key: str) -> _Entry | None:
         """The entry under ``key``, marked most recently used and pinned; ``None`` when not held."""
         with self._lock:

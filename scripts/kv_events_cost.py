@@ -92,7 +92,7 @@ def main() -> None:
         snapshot += t1 - t0
         admitted += t2 - t1
         gone += t3 - t2
-    assert tier.published() == 0
+    assert not tier.published()
     print(
         f"host tier, {values} values: planned {snapshot / values * 1e6:.1f} us/value, "
         f"into the tiers {admitted / values * 1e6:.1f} us/value, out {gone / values * 1e6:.1f} us/value "

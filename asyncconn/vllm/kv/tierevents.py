@@ -89,9 +89,9 @@ class TierEvents:
         if removed:
             self.events.emit(self.events.removed_event(removed, self.tier))
 
-    def published(self) -> int:
-        """Values whose last event said every rank's tier holds them."""
-        return sum(1 for known in self._known.values() if known.published)
+    def published(self) -> dict[bytes, list[Any]]:
+        """Value hash -> block hashes of the values whose last event said every rank's tier holds them."""
+        return {h: known.event.block_hashes for h, known in self._known.items() if known.published}
 
     def close(self) -> None:
         self._known.clear()

@@ -20,7 +20,9 @@ from asyncconn.transfer.lazy import Pieces
 from asyncconn.vllm.kv import saves as kv_saves
 from asyncconn_tools.sim.engine import SimShape
 from tests.vllm.kv.test_support import (
+    EventRouter,
     check_kv,
+    check_tier_events,
     kv_spec,
     leaks,
     load_error_blocks,
@@ -434,9 +436,11 @@ def test_random_workload_with_aborts_and_preemptions(
         )
         return sim
 
-    evictions = 0
+    evictions = published = 0
     for wave in range(2):
         sim = tp_sim()
+        router = EventRouter()
+        sim.scheduler.kv_event_publisher = router
         ids = workload(sim, f"w{wave}-", 10)
         steps = 0
         while sim.scheduler.has_requests() or sim.scheduler.requests:
@@ -444,6 +448,8 @@ def test_random_workload_with_aborts_and_preemptions(
             record = sim.step()
             steps += 1
             check_kv(sim)
+            if tier is not None:  # the tiers' events: what a router holds, every tier still serves
+                published = max(published, check_tier_events(sim, router))
             live = [r for r in ids if r not in sim.finish_reasons]
             if live and rng.random() < 0.04:
                 sim.abort(rng.choice(live))
@@ -455,6 +461,7 @@ def test_random_workload_with_aborts_and_preemptions(
             evictions += sum(w.kv_connector.worker_side.store.host_tier.stats.evictions for w in sim.workers)
         sim.close()
     assert tier is None or evictions > 0  # the small tier did evict (announced values withdrawn)
+    assert tier is None or published > 0  # and its events were published
 
 
 def test_tp_abort_after_one_rank_reported_its_load(make_sim: Any) -> None:

@@ -101,3 +101,50 @@ def load_error_blocks(records: list[Any]) -> set[int]:
     return set().union(
         *(r.kv_connector_output.invalid_block_ids or set() for r in records if r.kv_connector_output)
     )
+
+
+class EventRouter:
+    """Stands in for the scheduler's ``kv_event_publisher`` and indexes what it gets as a router does:
+    residency by (medium, ownership), block hash. vLLM's ``AllBlocksCleared`` (its prefix cache reset)
+    concerns its own ``GPU`` blocks and is kept only in ``events``."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.held: dict[tuple[str | None, str | None], set[Any]] = {}
+
+    def publish(self, batch: Any) -> None:
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        for event in batch.events:
+            self.events.append(event)
+            if not isinstance(event, BlockStored | BlockRemoved):
+                continue
+            where = self.held.setdefault((event.medium, getattr(event, "ownership", None)), set())
+            if isinstance(event, BlockStored):
+                where.update(event.block_hashes)
+            else:
+                where.difference_update(event.block_hashes)
+
+    def of(self, kind: type, where: tuple[str, str]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind) and (e.medium, e.ownership) == where]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def check_tier_events(sim: Any, router: EventRouter) -> int:
+    """Between steps: the router's host-tier residency is exactly the values the scheduler published as in
+    every tier, and every rank's tier can still serve each of them (indexed, or withdrawn and not yet
+    acknowledged). How many values that is."""
+    from asyncconn.vllm.kv.tierevents import HOST_TIER
+
+    events = sim.scheduler.connector.scheduler_side.tier_events
+    assert events is not None
+    published = events.published()
+    want = {h for block_hashes in published.values() for h in block_hashes}
+    assert router.held.get((HOST_TIER.medium, HOST_TIER.ownership), set()) == want
+    for worker in (w.kv_connector.worker_side for w in sim.workers):
+        lru = worker.store.host_tier.lru
+        names = worker.keys.store_keys(list(published), worker.rank)
+        assert all(lru.readable(name) for name in names), "a published value no longer in a tier"
+    return len(published)

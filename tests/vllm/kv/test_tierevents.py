@@ -19,38 +19,20 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from asyncconn.vllm.kv import tierevents
 from asyncconn.vllm.kv.tierevents import HOST_TIER, TierEvents
 from tests.vllm.kv.test_connector import sim_hashes
-from tests.vllm.kv.test_support import kv_spec, leaks, prompt, record_hit_sources, run_checked
+from tests.vllm.kv.test_support import (
+    EventRouter,
+    check_tier_events,
+    kv_spec,
+    leaks,
+    prompt,
+    record_hit_sources,
+    run_checked,
+)
 
 pytestmark = pytest.mark.interface
 
 HOST = (HOST_TIER.medium, HOST_TIER.ownership)
 STORE = ("STORAGE", "asyncconn:file")
-
-
-class _Router:
-    """Stands in for the scheduler's ``kv_event_publisher`` and indexes what it gets as a router does:
-    residency by (medium, ownership), block hash."""
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-        self.held: dict[tuple[str | None, str | None], set[Any]] = {}
-
-    def publish(self, batch: Any) -> None:
-        for event in batch.events:
-            self.events.append(event)
-            if not isinstance(event, BlockStored | BlockRemoved):
-                continue  # vLLM's AllBlocksCleared (its prefix cache reset): its GPU blocks
-            where = self.held.setdefault((event.medium, getattr(event, "ownership", None)), set())
-            if isinstance(event, BlockStored):
-                where.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                where.difference_update(event.block_hashes)
-
-    def of(self, kind: type, where: tuple[str, str]) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind) and (e.medium, e.ownership) == where]
-
-    def shutdown(self) -> None:
-        pass
 
 
 def _in_every_tier(sim: Any, tokens: list[int]) -> set[Any]:
@@ -78,7 +60,7 @@ def test_a_router_replaying_the_tier_events_knows_what_every_tier_holds(
     sim = make_sim(
         kv=kv_spec(f"file://{tmp_path}", host_cache_bytes="4MiB"), num_workers=workers, kv_events=True
     )
-    router = _Router()
+    router = EventRouter()
     sim.scheduler.kv_event_publisher = router
     seen = record_hit_sources(sim)
     assert isinstance(sim.scheduler.connector.scheduler_side.tier_events, TierEvents)
@@ -94,6 +76,7 @@ def test_a_router_replaying_the_tier_events_knows_what_every_tier_holds(
     assert [e.parent_block_hash for e in stored] == [None, *full[:3]]
     assert router.held[STORE] == set(full)  # the store's own residency, apart
     assert router.held[HOST] == _in_every_tier(sim, tokens) == set(full)
+    assert check_tier_events(sim, router) == 4
 
     # The last rank's tier loses value 2 (deleted) and lets value 3 go (withdrawn): one BlockRemoved of
     # their blocks, from the tier only, at the next step's report.
@@ -107,6 +90,7 @@ def test_a_router_replaying_the_tier_events_knows_what_every_tier_holds(
     removed = router.of(BlockRemoved, HOST)
     assert [sorted(e.block_hashes) for e in removed] == [sorted(full[2:])]
     assert router.held[HOST] == _in_every_tier(sim, tokens) == set(full[:2])
+    assert check_tier_events(sim, router) == 2
     assert router.held[STORE] == set(full) and not router.of(BlockRemoved, STORE)
 
     # Loaded again from the store, the two values are back in every tier: announced again.
@@ -118,6 +102,7 @@ def test_a_router_replaying_the_tier_events_knows_what_every_tier_holds(
     again = router.of(BlockStored, HOST)[len(stored) :]
     assert sorted(h for e in again for h in e.block_hashes) == sorted(full[2:])
     assert router.held[HOST] == _in_every_tier(sim, tokens) == set(full)
+    assert check_tier_events(sim, router) == 4
     assert leaks(sim) == []
 
 
@@ -129,17 +114,17 @@ def test_the_values_remembered_are_bounded_and_the_oldest_go(
     monkeypatch.setattr(tierevents, "MAX_VALUES", 2)
     tokens = prompt(7, 4 * 16 + 3)
     sim = make_sim(kv=kv_spec(f"file://{tmp_path}", host_cache_bytes="4MiB"), kv_events=True)
-    router = _Router()
+    router = EventRouter()
     sim.scheduler.kv_event_publisher = router
     sim.add_request("a", tokens, max_tokens=2)
     run_checked(sim)
     events = sim.scheduler.connector.scheduler_side.tier_events
-    assert events is not None and events.published() == 2  # values 0 and 1 were forgotten before reports
+    assert events is not None and len(events.published()) == 2  # values 0 and 1 were forgotten before reports
     worker = sim.workers[0].kv_connector.worker_side
     keys = [worker.keys.store_key(h, 0) for h in worker.keys.value_hashes(sim_hashes(tokens))]
     assert worker.store.host_tier.lru.discard(keys) == 4
     sim.add_request("other", prompt(99, 10), max_tokens=2)
     run_checked(sim)
     (removed,) = router.of(BlockRemoved, HOST)
-    assert len(removed.block_hashes) == 2 and events.published() == 0
+    assert len(removed.block_hashes) == 2 and not events.published()
     assert leaks(sim) == []

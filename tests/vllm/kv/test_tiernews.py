@@ -58,6 +58,7 @@ def test_announced_values_are_withdrawn_readable_until_acknowledged() -> None:
     assert lru.reserve(15) is None
     assert "a" not in lru and "b" in lru and "c" not in lru
     assert lru.withdrawn == 1 and lru.used == 20
+    assert lru.readable("a") and lru.readable("b") and not lru.readable("c")
     entry = lru.pin("a")  # still readable
     assert entry is not None
     lru.unpin(entry)
@@ -65,7 +66,7 @@ def test_announced_values_are_withdrawn_readable_until_acknowledged() -> None:
     lru.acknowledge(1)  # an older report: a's withdrawal is in report 2
     assert lru.withdrawn == 1 and lru.pin("x") is None
     lru.acknowledge(2)
-    assert lru.withdrawn == 0 and lru.used == 10 and lru.pin("a") is None
+    assert lru.withdrawn == 0 and lru.used == 10 and lru.pin("a") is None and not lru.readable("a")
     assert lru.reserve(15) is not None
 
 
