@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -77,6 +78,7 @@ __all__ = ["AsyncConnKVConnector"]
 
 
 _FIELD = "kv_connector_extra_config"
+log = logging.getLogger(__name__)
 
 
 def _lookups(settings: Settings, lookup: object) -> str:
@@ -409,6 +411,17 @@ class AsyncConnKVConnector(
         from asyncconn.vllm.prom import kv_prom_metrics
 
         return kv_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (a weight update's cache-clearing cascade):
+        False, not applied. The store is shared and outlives this engine: wiping it is not this engine's to
+        do, and saying it was would let KV computed by the old weights be loaded by the new ones. New weights
+        take a new ``key_prefix`` (docs/deployment.md, Upgrading). The host tier only holds store values."""
+        log.warning(
+            "asyncconn KV: reset_connector asked, not applied: the shared store keeps its values; "
+            "serve new weights under a new key_prefix"
+        )
+        return False
 
     def shutdown(self) -> None:
         if self._worker is not None:

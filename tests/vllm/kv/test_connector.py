@@ -104,6 +104,27 @@ def test_miss_computes_and_saves_then_hit(make_sim: Any) -> None:
     assert leaks(sim) == []
 
 
+def test_a_connector_reset_is_refused_and_the_store_keeps_its_values(
+    make_sim: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's ``reset_prefix_cache(reset_connector=True)`` (after a weight update) is answered False: the
+    shared store was not wiped, and a caller told otherwise would serve the old weights' KV. It was not:
+    the next request still loads the prompt."""
+    url = store_url()
+    tokens = prompt(12, 40)
+    sim = make_sim(kv=kv_spec(url))
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    with caplog.at_level("WARNING"):
+        assert sim.scheduler.reset_prefix_cache(reset_connector=True) is False
+    assert "reset_connector asked, not applied" in caplog.text and "key_prefix" in caplog.text
+    assert sim.scheduler.reset_prefix_cache()  # vLLM's own cache alone: done
+    sim.add_request("b", [*tokens, 7], max_tokens=2)
+    run_checked(sim)
+    assert sim.tokens_computed["b"] == 41 + 1 - 32  # the two stored blocks were loaded
+    assert leaks(sim) == []
+
+
 def test_abort_during_lookup(make_sim: Any) -> None:
     url = store_url("300ms")
     sim = make_sim(kv=kv_spec(url))
