@@ -28,6 +28,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _events_config() -> tuple[Any, int]:
+    """vLLM's KV events on, published over ZMQ on free ports; the config and its replay port."""
+    from vllm.config import KVEventsConfig
+
+    replay_port = _free_port()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{_free_port()}",
+        replay_endpoint=f"tcp://*:{replay_port}",
+    )
+    return config, replay_port
+
+
 def _replayed_batches(replay_port: int) -> list[Any]:
     """Every batch the publisher buffered, decoded as a router decodes them."""
     import msgspec
@@ -56,18 +70,11 @@ def _replayed_batches(replay_port: int) -> list[Any]:
 def test_a_router_sees_the_stores_blocks_and_hits_count_as_disk(
     text_model: Path, engines: list[Any], tmp_path: Path
 ) -> None:
-    from vllm.config import KVEventsConfig
     from vllm.distributed.kv_events import BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     url = f"file://{tmp_path}"
-    replay_port = _free_port()
-    events_config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        publisher="zmq",
-        endpoint=f"tcp://*:{_free_port()}",
-        replay_endpoint=f"tcp://*:{replay_port}",
-    )
+    events_config, replay_port = _events_config()
     prompt = PROMPTS[0]
     first = make_llm(text_model, kv=kv_config(backend_url=url), kv_events_config=events_config)
     engines.append(first)
@@ -111,17 +118,10 @@ def test_a_router_sees_the_host_tier_apart_from_the_store(
     """With a host tier, the engine also publishes the tier's residency (``CPU``, ``asyncconn:host``): a
     router replaying the events holds exactly the values the tier holds, after saves, after values leave
     the tier, and after a load brings them back; the store's residency is untouched by the tier's."""
-    from vllm.config import KVEventsConfig
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    replay_port = _free_port()
-    events_config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        publisher="zmq",
-        endpoint=f"tcp://*:{_free_port()}",
-        replay_endpoint=f"tcp://*:{replay_port}",
-    )
+    events_config, replay_port = _events_config()
     url = f"file://{tmp_path}"
     llm = make_llm(
         text_model, kv=kv_config(backend_url=url, host_cache_bytes="64MiB"), kv_events_config=events_config
