@@ -157,6 +157,16 @@ def test_a_hit_covers_the_whole_parts_and_the_window_it_needs(
     assert scheduler.held()["probes"] == 0
 
 
+class _PlannedRecorder:
+    """Stands in for the scheduler's host-tier events: what each planned load names."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[int, bytes]]] = []
+
+    def planned(self, request: Any, values: list[tuple[int, bytes]]) -> None:
+        self.calls.append(list(values))
+
+
 def test_a_load_writes_the_window_part_only_where_the_hit_needs_it(
     side: tuple[KVSchedulerSide, FakeTransport, Any],
 ) -> None:
@@ -167,7 +177,12 @@ def test_a_load_writes_the_window_part_only_where_the_hit_needs_it(
     # vLLM pads the sliding-window group with the null block below the window at the hit (blocks 0..2)
     window_ids = [NULL_BLOCK_ID] * 3 + [13, 14, 15, 16, 17, 18]
     blocks = SimpleNamespace(get_block_ids=lambda: (window_ids, list(range(20, 29))))
+    tiers = _PlannedRecorder()
+    scheduler.tier_events = tiers  # type: ignore[assignment]
     scheduler.update_state_after_alloc(request, blocks, 5 * BLOCK)
+    scheduler.tier_events = None
+    # The host tiers' events name a value by its first part, the whole one here: every value loaded.
+    assert tiers.calls == [[(v, HASHES[v]) for v in range(5)]]
     (load,) = scheduler.build_connector_meta(_output()).loads
     assert [(ref.value_hash[0], ref.part) for ref in load.values] == [
         (0, 0),
