@@ -10,61 +10,16 @@ counts those tokens under ``disk``.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
+from tests.engine import routers
 from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, assert_idle, generate
 
 pytestmark = pytest.mark.vllm
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _events_config() -> tuple[Any, int]:
-    """vLLM's KV events on, published over ZMQ on free ports; the config and its replay port."""
-    from vllm.config import KVEventsConfig
-
-    replay_port = _free_port()
-    config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        publisher="zmq",
-        endpoint=f"tcp://*:{_free_port()}",
-        replay_endpoint=f"tcp://*:{replay_port}",
-    )
-    return config, replay_port
-
-
-def _replayed_batches(replay_port: int) -> list[Any]:
-    """Every batch the publisher buffered, decoded as a router decodes them."""
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
-
-    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    try:
-        sock.connect(f"tcp://127.0.0.1:{replay_port}")
-        sock.send_multipart((b"", (0).to_bytes(8, "big")))
-        batches = []
-        while True:
-            if not sock.poll(30_000):  # hang guard only: the publisher answers within its 0.1 s poll
-                raise TimeoutError("the publisher's replay socket did not answer")
-            _, _topic, seq, payload = sock.recv_multipart()
-            if seq == ZmqEventPublisher.END_SEQ:
-                return batches
-            batches.append(decoder.decode(payload))
-    finally:
-        sock.close(linger=0)
-        context.term()
 
 
 def test_a_router_sees_the_stores_blocks_and_hits_count_as_disk(
@@ -74,7 +29,7 @@ def test_a_router_sees_the_stores_blocks_and_hits_count_as_disk(
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     url = f"file://{tmp_path}"
-    events_config, replay_port = _events_config()
+    events_config, replay_port = routers.events_config()
     prompt = PROMPTS[0]
     first = make_llm(text_model, kv=kv_config(backend_url=url), kv_events_config=events_config)
     engines.append(first)
@@ -82,7 +37,7 @@ def test_a_router_sees_the_stores_blocks_and_hits_count_as_disk(
     probe = Probe(first)
     assert_idle(probe)  # every save confirmed and reported: its events are published
     want = [maybe_convert_block_hash(h) for h in probe.block_hashes(prompt)][:FULL_BLOCKS]
-    events = [e for batch in _replayed_batches(replay_port) for e in batch.events]
+    events = [e for batch in routers.replayed_batches(replay_port) for e in batch.events]
     close_llm(first)
     engines.remove(first)
 
@@ -118,10 +73,9 @@ def test_a_router_sees_the_host_tier_apart_from_the_store(
     """With a host tier, the engine also publishes the tier's residency (``CPU``, ``asyncconn:host``): a
     router replaying the events holds exactly the values the tier holds, after saves, after values leave
     the tier, and after a load brings them back; the store's residency is untouched by the tier's."""
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    events_config, replay_port = _events_config()
+    events_config, replay_port = routers.events_config()
     url = f"file://{tmp_path}"
     llm = make_llm(
         text_model, kv=kv_config(backend_url=url, host_cache_bytes="64MiB"), kv_events_config=events_config
@@ -139,16 +93,7 @@ def test_a_router_sees_the_host_tier_apart_from_the_store(
         return {h for h, key in zip(want, value_keys, strict=True) if key in lru}
 
     def router() -> dict[tuple[Any, Any], set[Any]]:
-        """Every event so far, indexed as a router indexes them: (medium, ownership) -> block hashes."""
-        held: dict[tuple[Any, Any], set[Any]] = {}
-        for event in (e for batch in _replayed_batches(replay_port) for e in batch.events):
-            if isinstance(event, BlockStored | BlockRemoved):
-                where = held.setdefault((event.medium, event.ownership), set())
-                if isinstance(event, BlockStored):
-                    where.update(event.block_hashes)
-                else:
-                    where.difference_update(event.block_hashes)
-        return held
+        return routers.residency(routers.replayed_batches(replay_port))
 
     host, store = ("CPU", "asyncconn:host"), ("STORAGE", "asyncconn:file")
     generate(llm, [prompt])

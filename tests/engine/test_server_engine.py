@@ -5,7 +5,8 @@ with two tensor-parallel CPU workers, driven over HTTP. One server start serves 
    only be served from the store: the second pass of the same prompts must report external hits (vLLM's
    counter and ours) and give the same greedy text. The example config runs here with a host tier
    (``host_cache_bytes``): vLLM's hits by source must count tokens under ``host`` -- the two workers'
-   tiers reported to the scheduler across processes -- and no more than both tiers served.
+   tiers reported to the scheduler across processes -- and no more than both tiers served. With vLLM's KV
+   events on, a router replaying the publisher sees every value in the store and in both workers' tiers.
 2. SIGTERM while requests stream: the server and everything it started go away within a bound, and leave
    nothing behind. What an operator does to stop or roll a server is send SIGTERM (systemd, Kubernetes,
    ``docker stop``). The server runs with ``--shutdown-timeout``, the drain mode docs/deployment.md
@@ -37,6 +38,7 @@ from typing import Any
 import pytest
 
 from asyncconn_tools.openai_server import OpenAIServer, alive, listening_ports, shm_entries
+from tests.engine import routers
 from tests.engine.kvcase import PROMPTS
 from tests.servers import RedisServer
 
@@ -61,10 +63,20 @@ def _config(redis_server: RedisServer) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def kv_events() -> tuple[list[str], int]:
+    """vLLM's KV events on the server (ZMQ, free ports): its arguments and the replay port."""
+    return routers.events_flag()
+
+
+@pytest.fixture(scope="module")
 def server(
-    text_model: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+    text_model: Path,
+    redis_server: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+    kv_events: tuple[list[str], int],
 ) -> Iterator[OpenAIServer]:
-    """The example config's server, two TP workers, prefix caching off, drain mode on SIGTERM."""
+    """The example config's server, two TP workers, prefix caching off, KV events on, drain mode on
+    SIGTERM."""
     server = OpenAIServer(
         model=text_model,
         log_path=tmp_path_factory.mktemp("openai-server") / "server.log",
@@ -77,6 +89,7 @@ def server(
             "--no-enable-prefix-caching",
             "--shutdown-timeout",
             str(DRAIN_S),
+            *kv_events[0],
         ],
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
@@ -102,7 +115,7 @@ def _post(base: str, path: str, body: dict[str, Any]) -> Any:
 
 
 def test_openai_server_with_the_example_config_two_workers_and_metrics(
-    server: OpenAIServer, text_model: Path, redis_server: RedisServer
+    server: OpenAIServer, text_model: Path, redis_server: RedisServer, kv_events: tuple[list[str], int]
 ) -> None:
     assert server.proc is not None and server.proc.poll() is None, server.log_tail()
     base = server.base_url
@@ -138,6 +151,21 @@ def test_openai_server_with_the_example_config_two_workers_and_metrics(
     misses = after.get("asyncconn:kv_host_misses_total", 0) - before.get("asyncconn:kv_host_misses_total", 0)
     assert misses <= sum(gained.values()) // per_value * 2
     assert after["asyncconn:kv_host_hits_total"] > before.get("asyncconn:kv_host_hits_total", 0)
+    # What a router sees: every full value of the prompts in the store, and -- the tiers hold 64 MiB, far
+    # more than these prompts -- in both workers' tiers, published from their reports across processes,
+    # each with its 32 tokens of a prompt.
+    batches = routers.replayed_batches(kv_events[1])
+    held = routers.residency(batches)
+    store, host = held.get(("CPU", "asyncconn:redis"), set()), held.get(("CPU", "asyncconn:host"), set())
+    ends = [(p, end) for p in PROMPTS for end in range(per_value, len(p) + 1, per_value)]
+    assert len(store) == len({tuple(p[:end]) for p, end in ends}) and host == store  # a value is its prefix
+    tier_events = [
+        e
+        for b in batches
+        for e in b.events
+        if getattr(e, "ownership", None) == "asyncconn:host" and hasattr(e, "token_ids")
+    ]
+    assert {tuple(e.token_ids) for e in tier_events} == {tuple(p[end - per_value : end]) for p, end in ends}
 
 
 def _stream(base: str, model: str, prompt: list[int], first: threading.Event, out: dict[str, Any]) -> None:

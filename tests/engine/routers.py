@@ -1,0 +1,86 @@
+"""What a KV-aware router sees of an engine: vLLM's KV events, fetched from its ZMQ publisher's replay
+socket and decoded with msgspec as ``KVEventBatch`` (what a router asks for after a gap; the live PUB stream
+carries the same frames), and indexed by residency -- (medium, ownership) -> block hashes -- as vLLM tracks
+its own offloading tiers."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+__all__ = ["events_config", "events_flag", "free_port", "replayed_batches", "residency"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fields() -> tuple[dict[str, Any], int]:
+    replay_port = free_port()
+    fields = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{free_port()}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+    }
+    return fields, replay_port
+
+
+def events_config() -> tuple[Any, int]:
+    """vLLM's KV events on, published over ZMQ on free ports: the config for ``LLM`` and its replay port."""
+    from vllm.config import KVEventsConfig
+
+    fields, replay_port = _fields()
+    return KVEventsConfig(**fields), replay_port
+
+
+def events_flag() -> tuple[list[str], int]:
+    """The same for ``vllm serve``: its ``--kv-events-config`` arguments and the replay port."""
+    fields, replay_port = _fields()
+    return ["--kv-events-config", json.dumps(fields)], replay_port
+
+
+def replayed_batches(replay_port: int) -> list[Any]:
+    """Every batch the publisher buffered, decoded as a router decodes them."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{replay_port}")
+        sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        batches = []
+        while True:
+            if not sock.poll(30_000):  # hang guard only: the publisher answers within its 0.1 s poll
+                raise TimeoutError("the publisher's replay socket did not answer")
+            _, _topic, seq, payload = sock.recv_multipart()
+            if seq == ZmqEventPublisher.END_SEQ:
+                return batches
+            batches.append(decoder.decode(payload))
+    finally:
+        sock.close(linger=0)
+        context.term()
+
+
+def residency(batches: list[Any]) -> dict[tuple[Any, Any], set[Any]]:
+    """The events replayed in order: (medium, ownership) -> the block hashes held there now. vLLM's
+    ``AllBlocksCleared`` concerns its own ``GPU`` blocks."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    held: dict[tuple[Any, Any], set[Any]] = {}
+    for event in (e for batch in batches for e in batch.events):
+        if isinstance(event, AllBlocksCleared):
+            held.get(("GPU", None), set()).clear()
+        elif isinstance(event, BlockStored | BlockRemoved):
+            where = held.setdefault((event.medium, getattr(event, "ownership", None)), set())
+            if isinstance(event, BlockStored):
+                where.update(event.block_hashes)
+            else:
+                where.difference_update(event.block_hashes)
+    return held
