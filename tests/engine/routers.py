@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from typing import Any
 
-__all__ = ["events_config", "events_flag", "free_port", "replayed_batches", "residency"]
+__all__ = ["Subscriber", "events_config", "events_flag", "free_port", "replayed_batches", "residency"]
 
 
 def free_port() -> int:
@@ -18,29 +19,62 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _fields() -> tuple[dict[str, Any], int]:
-    replay_port = free_port()
+def _fields() -> tuple[dict[str, Any], int, int]:
+    pub_port, replay_port = free_port(), free_port()
     fields = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{free_port()}",
+        "endpoint": f"tcp://*:{pub_port}",
         "replay_endpoint": f"tcp://*:{replay_port}",
     }
-    return fields, replay_port
+    return fields, pub_port, replay_port
 
 
-def events_config() -> tuple[Any, int]:
-    """vLLM's KV events on, published over ZMQ on free ports: the config for ``LLM`` and its replay port."""
+def events_config() -> tuple[Any, int, int]:
+    """vLLM's KV events on, published over ZMQ on free ports: the config for ``LLM``, the live stream's
+    port and the replay port."""
     from vllm.config import KVEventsConfig
 
-    fields, replay_port = _fields()
-    return KVEventsConfig(**fields), replay_port
+    fields, pub_port, replay_port = _fields()
+    return KVEventsConfig(**fields), pub_port, replay_port
 
 
 def events_flag() -> tuple[list[str], int]:
     """The same for ``vllm serve``: its ``--kv-events-config`` arguments and the replay port."""
-    fields, replay_port = _fields()
+    fields, _, replay_port = _fields()
     return ["--kv-events-config", json.dumps(fields)], replay_port
+
+
+class Subscriber:
+    """A router's live feed: a ZMQ SUB socket on the publisher's stream, every batch decoded as it comes."""
+
+    def __init__(self, pub_port: int) -> None:
+        import zmq
+
+        self._context = zmq.Context()
+        self._sock = self._context.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(f"tcp://127.0.0.1:{pub_port}")
+        time.sleep(0.5)  # ZMQ's slow joiner: what is published before the subscription arrives is not sent
+        self.batches: list[Any] = []
+        self.seqs: list[int] = []
+
+    def drain(self, quiet_s: float = 1.0, limit_s: float = 30.0) -> list[Any]:
+        """Every batch published so far: read until the stream has been quiet for ``quiet_s``."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and self._sock.poll(int(quiet_s * 1000)):
+            _topic, seq, payload = self._sock.recv_multipart()
+            self.seqs.append(int.from_bytes(seq, "big"))
+            self.batches.append(decoder.decode(payload))
+        return self.batches
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._context.term()
 
 
 def replayed_batches(replay_port: int) -> list[Any]:

@@ -29,7 +29,7 @@ def test_a_router_sees_the_stores_blocks_and_hits_count_as_disk(
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     url = f"file://{tmp_path}"
-    events_config, replay_port = routers.events_config()
+    events_config, _, replay_port = routers.events_config()
     prompt = PROMPTS[0]
     first = make_llm(text_model, kv=kv_config(backend_url=url), kv_events_config=events_config)
     engines.append(first)
@@ -72,15 +72,17 @@ def test_a_router_sees_the_host_tier_apart_from_the_store(
 ) -> None:
     """With a host tier, the engine also publishes the tier's residency (``CPU``, ``asyncconn:host``): a
     router replaying the events holds exactly the values the tier holds, after saves, after values leave
-    the tier, and after a load brings them back; the store's residency is untouched by the tier's."""
+    the tier, and after a load brings them back; the store's residency is untouched by the tier's. A live
+    subscriber (SUB on the publisher's stream) got the same batches."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    events_config, replay_port = routers.events_config()
+    events_config, pub_port, replay_port = routers.events_config()
     url = f"file://{tmp_path}"
     llm = make_llm(
         text_model, kv=kv_config(backend_url=url, host_cache_bytes="64MiB"), kv_events_config=events_config
     )
     engines.append(llm)
+    live = routers.Subscriber(pub_port)
     prompt, other = PROMPTS[0], PROMPTS[1][::-1]  # no shared prefix
     probe = Probe(llm)
     worker = probe.kv_worker_connector().worker_side
@@ -113,3 +115,9 @@ def test_a_router_sees_the_host_tier_apart_from_the_store(
     assert_idle(probe)
     held = router()
     assert held[host] & set(want) == in_tier() == set(want)
+    try:
+        batches = live.drain()
+    finally:
+        live.close()
+    assert live.seqs == list(range(len(batches))) and batches  # all, in order: what a replay gives
+    assert routers.residency(batches) == routers.residency(routers.replayed_batches(replay_port))
