@@ -75,6 +75,16 @@ def _optional_local_url(value: Any) -> str | None:
     return url
 
 
+#: What ``kv_events`` may name: which of the connector's residencies vLLM's KV events carry.
+EVENT_SCOPES = ("all", "store", "host", "none")
+
+
+def _events_scope(value: Any) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in EVENT_SCOPES:
+        raise ValueError(f"expected one of {', '.join(EVENT_SCOPES)}")
+    return value.strip().lower()
+
+
 def _optional_text(value: Any) -> str | None:
     return None if value in (None, "") else _text(value)
 
@@ -173,6 +183,12 @@ class Settings:
         parse_bool,
         False,
         "KV: load in the step that schedules the request, which waits for it (vLLM's sync loads)",
+    )
+    kv_events: str = _opt(
+        _events_scope,
+        "all",
+        "KV: with vLLM's KV events on, which residencies this connector publishes: all, store (the shared "
+        "store's), host (the host tier's), none",
     )
     lookup_server_key: str | None = _opt(
         _optional_text, None, "CURVE public key of the lookup server (Z85 text or a key/cert file)"

@@ -77,6 +77,7 @@ BAD: dict[str, list[Any]] = {
     "local_url": [5, True, "not a url", "redis://127.0.0.1:6379/0", "memory://v", "file:///x?bogus=1"],
     "text": [None, 5, True, 1.5],
     "optional_text": [5, True, 1.5],
+    "events_scope": [None, 5, True, "", "some", "gpu", "all,host"],
 }
 GOOD: dict[str, list[tuple[Any, Any]]] = {
     "duration": [("250ms", 0.25), (2, 2.0), (0.5, 0.5), ("1min", 60.0)],
@@ -92,6 +93,7 @@ GOOD: dict[str, list[tuple[Any, Any]]] = {
     "local_url": [(None, None), ("", None), ("file:///nvme/kv?max_bytes=1GiB", "file:///nvme/kv?max_bytes=1GiB")],
     "text": [("kv:", "kv:"), ("", "")],
     "optional_text": [(None, None), ("", None), ("/etc/key", "/etc/key")],
+    "events_scope": [("all", "all"), ("Host", "host"), (" store ", "store"), ("none", "none")],
 }
 
 
@@ -109,6 +111,7 @@ def _kind(field: dataclasses.Field[Any]) -> str:
         config_module._optional_local_url: "local_url",
         config_module._text: "text",
         config_module._optional_text: "optional_text",
+        config_module._events_scope: "events_scope",
     }
     assert parse in kinds, f"Settings.{field.name}: parser {parse!r} has no bad-value table in this test"
     return kinds[parse]

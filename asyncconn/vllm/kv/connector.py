@@ -174,9 +174,12 @@ class AsyncConnKVConnector(
         # worker's tier, registered under ``_tier_name``; several ranks, or KV events on, the workers report
         # their tiers and the scheduler mirrors them (hits counted as ``host``, the tiers' own events).
         self._tier_name = f"{config.engine_id}/{keys.namespace.hex()}"
-        self._events = events = _kv_events_on(vllm_config) and config.is_kv_producer
+        # Which residencies vLLM's KV events carry (``kv_events``): the store's, the host tiers', or both.
+        scope = self.settings.kv_events if _kv_events_on(vllm_config) and config.is_kv_producer else "none"
+        events = scope in ("all", "store")
         self._tier_followed = self.settings.host_cache_bytes > 0 and _pipeline_size(vllm_config) == 1
-        self._tier_mode = _tier_mode(self._tier_followed, events, config.is_kv_consumer, tp_size)
+        self._tier_events = self._tier_followed and scope in ("all", "host")
+        self._tier_mode = _tier_mode(self._tier_followed, self._tier_events, config.is_kv_consumer, tp_size)
         if role == KVConnectorRole.SCHEDULER:
             lookup = None
             if config.is_kv_consumer:
@@ -187,7 +190,7 @@ class AsyncConnKVConnector(
                 save=config.is_kv_producer,
                 sync_lookup=self.settings.sync_lookup,
                 sync_loads=self.settings.kv_sync_loads,
-                events=KVEvents(keys, self.tier) if events else None,
+                events=KVEvents(keys, self.tier, store=events) if events or self._tier_events else None,
                 parts=parts,
             )
             self._follow_tiers(self._scheduler, parts)
@@ -285,7 +288,7 @@ class AsyncConnKVConnector(
         elif self._tier_mode == "reports":
             mirror = TierMirror(parts, self._identity.tp_size, block_size)
             scheduler.host = mirror
-            if scheduler.events is not None:
+            if self._tier_events and scheduler.events is not None:
                 scheduler.tier_events = TierEvents(scheduler.events, mirror)
 
     def _worker_tier(self, store: TensorStore) -> WorkerTierNews | None:
@@ -303,7 +306,7 @@ class AsyncConnKVConnector(
         """Override the TP size (and a worker's rank) where vLLM's TP group is not set up (simulators)."""
         self._identity = dataclasses.replace(self._identity, tp_size=tp_size)
         consumer = self._kv_transfer_config.is_kv_consumer
-        self._tier_mode = _tier_mode(self._tier_followed, self._events, consumer, tp_size)
+        self._tier_mode = _tier_mode(self._tier_followed, self._tier_events, consumer, tp_size)
         parts = ValueParts.of(KeySpace(self._identity, self.settings.key_prefix), self._groups)
         keys = parts.keys[0]
         if self._scheduler is not None:

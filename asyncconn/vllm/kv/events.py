@@ -172,15 +172,18 @@ class KVEvents:
     """The scheduler side's events: snapshots of planned values, confirmed by the workers' reports.
 
     ``ranks``: how many ranks must confirm a value (every TP rank; one when the KV is replicated, MLA).
-    Call every method from the scheduler thread.
+    ``store``: whether the store's residency is published (``kv_events``); without it, this only builds
+    and buffers another tier's events (:meth:`snapshot`, :meth:`emit`). Call every method from the
+    scheduler thread.
     """
 
-    def __init__(self, keys: KeySpace, tier: Tier) -> None:
+    def __init__(self, keys: KeySpace, tier: Tier, *, store: bool = True) -> None:
         from vllm.distributed import kv_events
 
         self._convert = _hash_converter()
         self.keys = keys
         self.tier = tier
+        self.store = store
         self._stored_cls = kv_events.BlockStored
         self._removed_cls = kv_events.BlockRemoved
         fields = set(getattr(kv_events.BlockStored, "__struct_fields__", ()))
@@ -208,7 +211,7 @@ class KVEvents:
         A payload this vLLM refuses (a ``BlockStored`` of another shape than the ones this module knows)
         turns the events off with one warning: never an exception on the scheduler's thread.
         """
-        if self.off:
+        if self.off or not self.store:
             return
         try:
             self._planned(request_id, request, values)
@@ -270,6 +273,8 @@ class KVEvents:
 
     def update(self, report: SavedReport) -> None:
         """The workers' news: confirmed values become ``BlockStored``, failed ones are forgotten."""
+        if not self.store:
+            return
         for value_hash in report.failed:
             self._pending.pop(value_hash, None)
         for value_hash, ranks in report.saved.items():

@@ -106,6 +106,30 @@ def test_a_router_replaying_the_tier_events_knows_what_every_tier_holds(
     assert leaks(sim) == []
 
 
+@pytest.mark.parametrize("scope", ["all", "store", "host", "none"])
+def test_kv_events_names_the_residencies_published(make_sim: Any, tmp_path: Path, scope: str) -> None:
+    """``kv_events`` picks which of the connector's residencies vLLM's events carry; vLLM's own ``GPU``
+    events flow whatever it says. Without the host tier's events, one rank goes back to claims."""
+    from asyncconn.vllm.kv.hostclaims import HostClaims
+
+    tokens = prompt(31, 2 * 16 + 3)
+    kv = kv_spec(f"file://{tmp_path}", host_cache_bytes="4MiB", kv_events=scope)
+    sim = make_sim(kv=kv, kv_events=True)
+    router = EventRouter()
+    sim.scheduler.kv_event_publisher = router
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    side = sim.scheduler.connector.scheduler_side
+    published = {where for where, hashes in router.held.items() if hashes}
+    want = {"all": {HOST, STORE}, "store": {STORE}, "host": {HOST}, "none": set()}[scope]
+    assert published - {("GPU", None)} == want and ("GPU", None) in published
+    assert (side.tier_events is not None) == (HOST in want)
+    if HOST not in want:
+        assert isinstance(side.host, HostClaims)  # one rank without the tiers' events
+    assert (sim.workers[0].kv_connector.worker_side.events is not None) == (STORE in want)
+    assert leaks(sim) == []
+
+
 def test_the_values_remembered_are_bounded_and_the_oldest_go(
     make_sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
