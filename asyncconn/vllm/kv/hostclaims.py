@@ -32,7 +32,15 @@ from asyncconn.hosttier import HostTier
 from asyncconn.vllm.kv.metadata import ValueRef
 from asyncconn.vllm.kv.parts import ValueParts
 
-__all__ = ["HostClaims", "HostHits", "register_tier", "registered_tier", "unregister_tier", "whole_tokens"]
+__all__ = [
+    "HostClaims",
+    "HostHits",
+    "PlannedTokens",
+    "register_tier",
+    "registered_tier",
+    "unregister_tier",
+    "whole_tokens",
+]
 
 
 def whole_tokens(values: Sequence[ValueRef], held: Sequence[bool], block_size: int) -> int:
@@ -46,6 +54,36 @@ def whole_tokens(values: Sequence[ValueRef], held: Sequence[bool], block_size: i
             counted.add(ref.value_hash)
             tokens += len(ref.positions) * block_size
     return tokens
+
+
+class PlannedTokens:
+    """Per request, the tokens of its planned load that the host tiers serve: counted when the load is
+    planned, asked for once right after (vLLM's ``get_external_cache_hit_sources``)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._tokens: dict[str, int] = {}
+
+    def count(self, rid: str, values: Sequence[ValueRef], held: Sequence[bool]) -> int:
+        """Record and return the tokens of the values of ``rid``'s load whose every part is ``held``."""
+        tokens = whole_tokens(values, held, self.block_size)
+        if tokens:
+            self._tokens[rid] = tokens
+        else:
+            self._tokens.pop(rid, None)
+        return tokens
+
+    def take(self, rid: str) -> int:
+        return self._tokens.pop(rid, 0)
+
+    def drop(self, rid: str) -> None:
+        self._tokens.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def clear(self) -> None:
+        self._tokens.clear()
 
 
 class HostHits(Protocol):
@@ -99,9 +137,8 @@ class HostClaims:
     def __init__(self, engine: str, parts: ValueParts, block_size: int) -> None:
         self.engine = engine
         self.parts = parts
-        self.block_size = block_size
         self._claimed: dict[str, HostTier] = {}  # request id -> the tier it holds claims on
-        self._tokens: dict[str, int] = {}  # request id -> tokens its planned load reads from the tier
+        self._tokens = PlannedTokens(block_size)  # request id -> tokens its planned load reads from the tier
 
     def claim(self, rid: str, values: Sequence[ValueRef]) -> int:
         """Claim the values of ``rid``'s planned load that the tier holds; the tokens of those whose every
@@ -114,17 +151,14 @@ class HostClaims:
         held = tier.lru.claim(rid, keys)
         if any(held):
             self._claimed[rid] = tier
-        tokens = whole_tokens(values, held, self.block_size)
-        if tokens:
-            self._tokens[rid] = tokens
-        return tokens
+        return self._tokens.count(rid, values, held)
 
     def take_tokens(self, rid: str) -> int:
         """The tokens ``rid``'s last claim found in the tier (asked once, right after the claim)."""
-        return self._tokens.pop(rid, 0)
+        return self._tokens.take(rid)
 
     def release(self, rid: str) -> None:
-        self._tokens.pop(rid, None)
+        self._tokens.drop(rid)
         tier = self._claimed.pop(rid, None)
         if tier is not None:
             tier.lru.unclaim(rid)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from asyncconn.hosttier import HostLRU
-from asyncconn.vllm.kv.hostclaims import whole_tokens
+from asyncconn.vllm.kv.hostclaims import PlannedTokens
 from asyncconn.vllm.kv.metadata import ValueRef
 from asyncconn.vllm.kv.parts import ValueParts
 
@@ -85,10 +85,9 @@ class TierMirror:
 
     def __init__(self, parts: ValueParts, tp_size: int, block_size: int) -> None:
         self.parts = parts
-        self.block_size = block_size
         self._held: list[set[str]] = [set() for _ in range(tp_size)]
         self._acks: dict[int, int] = {}
-        self._tokens: dict[str, int] = {}
+        self._tokens = PlannedTokens(block_size)
 
     def update(self, news: Mapping[int, TierNews]) -> None:
         """Apply the ranks' reports of a step (what left first: a key can leave and come back in one)."""
@@ -107,15 +106,11 @@ class TierMirror:
     def claim(self, rid: str, values: Sequence[ValueRef]) -> int:
         """The tokens of ``rid``'s planned load whose every part every rank's tier holds (what
         :meth:`take_tokens` answers next). Nothing is pinned here: each worker claims its load's values."""
-        self._tokens.pop(rid, None)
         held = [self.everywhere(ref.part, ref.value_hash) for ref in values]
-        tokens = whole_tokens(values, held, self.block_size)
-        if tokens:
-            self._tokens[rid] = tokens
-        return tokens
+        return self._tokens.count(rid, values, held)
 
     def take_tokens(self, rid: str) -> int:
-        return self._tokens.pop(rid, 0)
+        return self._tokens.take(rid)
 
     def everywhere(self, part: int, value_hash: bytes) -> bool:
         """Whether every rank's tier holds its key of part ``part`` of the value ``value_hash``."""
@@ -127,7 +122,7 @@ class TierMirror:
         return len(self._held)
 
     def release(self, rid: str) -> None:
-        self._tokens.pop(rid, None)
+        self._tokens.drop(rid)
 
     def held(self) -> dict[str, int]:
         return {"host_claims": 0, "host_tokens": len(self._tokens)}
