@@ -78,7 +78,9 @@ class TierEvents:
                     changed[value_hash] = None
         removed: list[Any] = []
         for value_hash in changed:
-            known = self._known[value_hash]
+            known = self._known.get(value_hash)
+            if known is None:  # forgotten past the bound (its keys went with it; this is for safety)
+                continue
             held = self.mirror.everywhere(0, value_hash)
             if held and not known.published:
                 known.published = True
