@@ -103,18 +103,10 @@ def replayed_batches(replay_port: int) -> list[Any]:
 
 
 def residency(batches: list[Any]) -> dict[tuple[Any, Any], set[Any]]:
-    """The events replayed in order: (medium, ownership) -> the block hashes held there now. vLLM's
-    ``AllBlocksCleared`` concerns its own ``GPU`` blocks."""
-    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    """The events replayed in order, as a router indexes them: (medium, ownership) -> block hashes."""
+    from tests.vllm.kv.test_support import EventRouter
 
-    held: dict[tuple[Any, Any], set[Any]] = {}
-    for event in (e for batch in batches for e in batch.events):
-        if isinstance(event, AllBlocksCleared):
-            held.get(("GPU", None), set()).clear()
-        elif isinstance(event, BlockStored | BlockRemoved):
-            where = held.setdefault((event.medium, getattr(event, "ownership", None)), set())
-            if isinstance(event, BlockStored):
-                where.update(event.block_hashes)
-            else:
-                where.difference_update(event.block_hashes)
-    return held
+    router = EventRouter()
+    for batch in batches:
+        router.publish(batch)
+    return router.held

@@ -38,6 +38,9 @@ def test_a_router_sees_the_stores_blocks_and_hits_count_as_disk(
     assert_idle(probe)  # every save confirmed and reported: its events are published
     want = [maybe_convert_block_hash(h) for h in probe.block_hashes(prompt)][:FULL_BLOCKS]
     events = [e for batch in routers.replayed_batches(replay_port) for e in batch.events]
+    # A connector reset (how a weight update clears caches) is refused: the store keeps its values -- the
+    # second engine below still loads every one of them.
+    assert first.reset_prefix_cache(reset_connector=True) is False
     close_llm(first)
     engines.remove(first)
 
@@ -121,3 +124,29 @@ def test_a_router_sees_the_host_tier_apart_from_the_store(
         live.close()
     assert live.seqs == list(range(len(batches))) and batches  # all, in order: what a replay gives
     assert routers.residency(batches) == routers.residency(routers.replayed_batches(replay_port))
+
+
+def test_kv_events_host_publishes_the_tiers_residency_alone(
+    text_model: Path, engines: list[Any], tmp_path: Path
+) -> None:
+    """``kv_events=host``: the engine publishes its host tier's residency and vLLM's own ``GPU`` blocks,
+    not the store's (a router blind to ``medium`` and ``ownership`` then scores only what this server alone
+    loads fast)."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    events_config, _, replay_port = routers.events_config()
+    kv = kv_config(backend_url=f"file://{tmp_path}", host_cache_bytes="64MiB", kv_events="host")
+    llm = make_llm(text_model, kv=kv, kv_events_config=events_config)
+    engines.append(llm)
+    prompt = PROMPTS[0]
+    generate(llm, [prompt])
+    probe = Probe(llm)
+    assert_idle(probe)
+    want = {maybe_convert_block_hash(h) for h in probe.block_hashes(prompt)[:FULL_BLOCKS]}
+    held = {
+        where: hashes
+        for where, hashes in routers.residency(routers.replayed_batches(replay_port)).items()
+        if hashes
+    }
+    assert set(held) == {("CPU", "asyncconn:host"), ("GPU", None)}
+    assert held[("CPU", "asyncconn:host")] == want and want <= held[("GPU", None)]

@@ -106,17 +106,21 @@ def load_error_blocks(records: list[Any]) -> set[int]:
 class EventRouter:
     """Stands in for the scheduler's ``kv_event_publisher`` and indexes what it gets as a router does:
     residency by (medium, ownership), block hash. vLLM's ``AllBlocksCleared`` (its prefix cache reset)
-    concerns its own ``GPU`` blocks and is kept only in ``events``."""
+    clears its own ``GPU`` blocks. (The engine tests replay a real publisher's batches into one:
+    ``tests/engine/routers.py``.)"""
 
     def __init__(self) -> None:
         self.events: list[Any] = []
         self.held: dict[tuple[str | None, str | None], set[Any]] = {}
 
     def publish(self, batch: Any) -> None:
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
         for event in batch.events:
             self.events.append(event)
+            if isinstance(event, AllBlocksCleared):
+                self.held.get(("GPU", None), set()).clear()
+                continue
             if not isinstance(event, BlockStored | BlockRemoved):
                 continue
             where = self.held.setdefault((event.medium, getattr(event, "ownership", None)), set())
