@@ -1,13 +1,15 @@
 """Where a loaded prompt's time to first token goes, in vLLM's real CPU engine (not run by the tests).
 
-Usage: ``.venv/bin/python scripts/ttft_phases.py [--rounds N] [--tokens N] [--json]`` (defaults: 3 rounds,
-4096 tokens). The same model, prompts and store fill as ``asyncconn bench engine --what ttft``; in each round
-a fresh engine per config (alternating order) is timed on the prompts twice, the second time after
-``reset_prefix_cache``, and every sample is cut into phases from timestamps taken around a few calls:
+Usage: ``.venv/bin/python scripts/ttft_phases.py [--rounds N] [--tokens N] [--redis] [--json]`` (defaults: 3
+rounds, 4096 tokens). The same model, prompts and store fill as ``asyncconn bench engine --what ttft``
+(``--redis``: ``redis://`` on a loopback redis-server of its own beside ``file://``, the others left out);
+in each round a fresh engine per config (alternating order) is timed on the prompts twice, the second time
+after ``reset_prefix_cache``, and every sample is cut into phases from timestamps taken around a few calls:
 
 - asyncconn: ``issue`` (the worker issuing the step's loads on vLLM's thread), ``prep`` (from there until the
-  store's read threads start: the loop preparing the batch), ``read`` (the ``file://`` batch on its threads,
-  checksum included), ``after`` (from the last read to the forward), and ``after`` cut in four:
+  store's first read starts: the loop preparing the batch), ``read`` (from the first read's start to the last
+  read's end: the ``file://`` batches on their threads, checksum included; on ``redis://`` the ``GET`` replies
+  received in place), ``after`` (from the last read to the forward), and ``after`` cut in four:
   ``reported`` (until the worker's ``get_finished`` returns with the load: hand-back and poll),
   ``rescheduled`` (until vLLM's next ``schedule()`` has run), ``inputs`` (until that step's
   ``_prepare_inputs`` has run) and ``to_forward``;
@@ -17,7 +19,9 @@ a fresh engine per config (alternating order) is timed on the prompts twice, the
 
 It also reads every thread's CPU time (``/proc/self/task/*/schedstat``) around each sample and reports it per
 sample by thread (``cpu_ms``): Python threads by name, numbered pool threads pooled, other native threads
-(vLLM's OpenMP worker among them) as ``native``. That is how a thread that competes with the reads shows.
+(vLLM's OpenMP worker among them) as ``native``; with ``--redis``, the redis-server process's too
+(``redis-server``, from its ``/proc/PID/task/*/schedstat``). That is how a thread that competes with the reads
+shows.
 
 Why a script, not a bench: it times vLLM's own methods by wrapping them for the run (``_model_forward``),
 which the library never does. Medians over every sample of every round, in milliseconds.
@@ -26,7 +30,9 @@ which the library never does. Medians over every sample of every round, in milli
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import inspect
 import json
 import logging
 import os
@@ -49,10 +55,10 @@ _EVENTS: list[tuple[float, float, str]] = []
 _TIMING = threading.Event()
 
 
-def _thread_cpu() -> dict[int, int]:
-    """Nanoseconds on a CPU so far, by native thread id, for every thread of this process."""
+def _thread_cpu(proc: str = "self") -> dict[int, int]:
+    """Nanoseconds on a CPU so far, by native thread id, for every thread of process ``proc``."""
     out = {}
-    for task in Path("/proc/self/task").iterdir():
+    for task in Path(f"/proc/{proc}/task").iterdir():
         try:
             out[int(task.name)] = int((task / "schedstat").read_text().split()[0])
         except (OSError, ValueError, IndexError):
@@ -87,6 +93,9 @@ def _timed_calls(targets: list[tuple[type, str, str]]) -> Iterator[None]:
     for cls, name, label in targets:
         original = cls.__dict__[name]
         saved.append((cls, name, original))
+        if inspect.iscoroutinefunction(original):
+            setattr(cls, name, functools.wraps(original)(_timed_async(original, label)))
+            continue
 
         def timed(*args: Any, _f: Callable[..., Any] = original, _label: str = label, **kwargs: Any) -> Any:
             if not _TIMING.is_set():
@@ -105,8 +114,24 @@ def _timed_calls(targets: list[tuple[type, str, str]]) -> Iterator[None]:
             setattr(cls, name, original)
 
 
+def _timed_async(original: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """``original`` (a coroutine function) recording its awaited calls as ``label`` while timing."""
+
+    async def timed(*args: Any, **kwargs: Any) -> Any:
+        if not _TIMING.is_set():
+            return await original(*args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            _EVENTS.append((started, time.perf_counter(), label))
+
+    return timed
+
+
 def _targets() -> list[tuple[type, str, str]]:
     from asyncconn_backends.file import FileBackend
+    from asyncconn_backends.redis.reader import ChunkReader
     from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -117,6 +142,8 @@ def _targets() -> list[tuple[type, str, str]]:
         (GPUModelRunner, "_model_forward", "forward"),
         (KVWorkerSide, "issue_loads", "issue"),
         (FileBackend, "_read_many", "read"),
+        (ChunkReader, "mget_into", "read"),  # a value within redis' chunk_size: one GET
+        (ChunkReader, "hmget_into", "read"),  # a chunked one
         (ExampleConnector, "start_load_kv", "load"),
         (KVWorkerSide, "get_finished", "finished"),
         (Scheduler, "schedule", "schedule"),
@@ -185,42 +212,19 @@ def _medians(
     return {k: v for k, v in out.items() if v >= at_least}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--prompts", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the figures
-    engine_env()  # before vLLM is imported
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-
+def _sample(
+    model: Path,
+    configs: dict[str, Callable[[], Any]],
+    texts: list[list[int]],
+    engine_args: dict[str, Any],
+    rounds: int,
+    redis_pid: str | None,
+) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[dict[str, float]]]]:
+    """Fill each store, then time every config's fresh engines (see the module docstring): phases and CPU
+    milliseconds by thread, per sample."""
     from vllm import SamplingParams
-    from vllm.config import KVTransferConfig
 
-    model = build_model("text-100m", progress=lambda m: print(m, file=sys.stderr))
-    rng = random.Random(7)  # the prompts of ``bench engine --what ttft``
-    texts = [[rng.randrange(5, 8000) for _ in range(args.tokens + 17)] for _ in range(args.prompts)]
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    engine_args: dict[str, Any] = {
-        "kv_cache_bytes": 2 << 30,
-        "max_model_len": args.tokens + 64,
-        "max_num_batched_tokens": args.tokens + 64,
-        "max_num_seqs": 1,
-    }
-    work = Path(tempfile.mkdtemp(prefix="asyncconn-phases-"))
-    configs: dict[str, Callable[[], Any]] = {
-        "asyncconn file://": lambda: kv_config(backend_url=f"file://{work / 'store'}"),
-        "asyncconn file://, 4 blocks per value": lambda: kv_config(
-            backend_url=f"file://{work / 'store-4'}", kv_blocks_per_value=4
-        ),
-        "vLLM ExampleConnector": lambda: KVTransferConfig(
-            kv_connector="ExampleConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"shared_storage_path": str(work / "example")},
-        ),
-    }
     for make in configs.values():  # fill each store: an engine computes the prompts, one at a time
         llm = make_llm(model, kv=make(), **engine_args)
         for text in texts:
@@ -231,7 +235,7 @@ def main() -> int:
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     cpus: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     with _timed_calls(_targets()):
-        for round_ in range(args.rounds):
+        for round_ in range(rounds):
             order = list(configs) if round_ % 2 == 0 else list(reversed(configs))
             for name in order:
                 llm = make_llm(model, kv=configs[name](), **engine_args)
@@ -243,18 +247,73 @@ def main() -> int:
                     for text in texts:
                         _EVENTS.clear()
                         cpu0 = _thread_cpu()
+                        server0 = _thread_cpu(redis_pid) if redis_pid else {}
                         _TIMING.set()
                         t0 = time.perf_counter()
                         llm.generate([{"prompt_token_ids": text}], one, use_tqdm=False)
                         t1 = time.perf_counter()
                         _TIMING.clear()
                         cpu = _cpu_ms(cpu0, _thread_cpu())
+                        if redis_pid:
+                            server = _thread_cpu(redis_pid)
+                            spent = sum(ns - server0.get(t, 0) for t, ns in server.items())
+                            cpu["redis-server"] = spent / 1e6
                         phases = _phases(sorted(_EVENTS), t0, t1)
                         if phases is not None:
                             samples[name].append(phases)
                             cpus[name].append(cpu)
                 probe.settle(timeout=300)
                 close_llm(llm)
+    return samples, cpus
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--redis", action="store_true", help="redis:// beside file:// (the others left out)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the figures
+    engine_env()  # before vLLM is imported
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+    from vllm.config import KVTransferConfig
+
+    model = build_model("text-100m", progress=lambda m: print(m, file=sys.stderr))
+    rng = random.Random(7)  # the prompts of ``bench engine --what ttft``
+    texts = [[rng.randrange(5, 8000) for _ in range(args.tokens + 17)] for _ in range(args.prompts)]
+    engine_args: dict[str, Any] = {
+        "kv_cache_bytes": 2 << 30,
+        "max_model_len": args.tokens + 64,
+        "max_num_batched_tokens": args.tokens + 64,
+        "max_num_seqs": 1,
+    }
+    work = Path(tempfile.mkdtemp(prefix="asyncconn-phases-"))
+    with contextlib.ExitStack() as stack:
+        redis_pid: str | None = None
+        configs: dict[str, Callable[[], Any]] = {
+            "asyncconn file://": lambda: kv_config(backend_url=f"file://{work / 'store'}"),
+        }
+        if args.redis:
+            from asyncconn_tools.chaos.procs import RedisServer
+
+            server = RedisServer(extra_args=("--maxmemory", "0")).start()
+            stack.callback(server.stop)
+            assert server.proc is not None  # started
+            redis_pid, redis_url = str(server.proc.pid), server.url
+            configs["asyncconn redis://"] = lambda: kv_config(backend_url=redis_url)
+        else:
+            configs["asyncconn file://, 4 blocks per value"] = lambda: kv_config(
+                backend_url=f"file://{work / 'store-4'}", kv_blocks_per_value=4
+            )
+            configs["vLLM ExampleConnector"] = lambda: KVTransferConfig(
+                kv_connector="ExampleConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"shared_storage_path": str(work / "example")},
+            )
+        samples, cpus = _sample(model, configs, texts, engine_args, args.rounds, redis_pid)
     summary: dict[str, dict[str, Any]] = {
         name: {"samples": len(rows)}
         | _medians(rows)
