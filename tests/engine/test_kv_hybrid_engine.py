@@ -25,7 +25,7 @@ computed.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch
 
 from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import assert_idle, generate, sampling
+from tests.engine.ranks import run_prompts, settled
 
 pytestmark = pytest.mark.vllm
 
@@ -462,97 +463,6 @@ def test_a_hybrid_models_preempted_requests_resume_with_the_connector(
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 
 
-def _cached_ids_by_group(llm: Any, prompt: Sequence[int]) -> list[list[int | None]]:
-    """Per full block of ``prompt``: the cached block id in each KV cache group (None: not cached there). The
-    scheduler runs in this process; the workers do not."""
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    core = llm.llm_engine.engine_core.engine_core
-    groups = len(core.scheduler.kv_cache_config.kv_cache_groups)
-    pool = core.scheduler.kv_cache_manager.block_pool
-    request = Request(
-        "probe", list(prompt), SamplingParams(max_tokens=1), None, block_hasher=core.request_block_hasher
-    )
-    out: list[list[int | None]] = []
-    for block_hash in request.block_hashes:
-        row: list[int | None] = []
-        for g in range(groups):
-            found = pool.get_cached_block(block_hash, [g])
-            row.append(None if not found else found[0].block_id)
-        out.append(row)
-    return out
-
-
-def _layer_caches(worker: Any) -> dict[str, torch.Tensor]:
-    """In a TP worker process: layer name -> that layer's paged KV tensor (as :meth:`Probe.kv_caches`)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, layer in worker.model_runner.compilation_config.static_forward_context.items():
-        cache = getattr(layer, "kv_cache", None)
-        if isinstance(cache, list | tuple):
-            cache = cache[0] if cache else None
-        if isinstance(cache, torch.Tensor) and cache.numel():
-            out[name] = cache
-    return out
-
-
-def _rank_blocks(worker: Any, ids: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """In a TP worker process (``collective_rpc``): each named layer's KV at the given block ids."""
-    return {name: cache[ids[name]].clone() for name, cache in _layer_caches(worker).items() if name in ids}
-
-
-def _rank_connector(worker: Any) -> dict[str, int]:
-    """In a TP worker process: the KV connector's rank, save and load totals, and what it still holds."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    side = get_kv_transfer_group().worker_side
-    side.poll()
-    return {
-        "rank": side.rank,
-        "windowed": int(side.windowed),
-        "saved": side.saver.saved,
-        "loaded": side.loader.loaded,
-        "load_failures": sum(side.loader.failures.values()),
-        "held": sum(side.held().values()),
-        "null_written": int(any(bool(cache[0].any()) for cache in _layer_caches(worker).values())),
-    }
-
-
-def _settled(llm: Any, timeout: float = 60.0) -> list[dict[str, int]]:
-    """Step the engine until it holds no request (both ranks reported their saves), then each rank's
-    connector figures."""
-    import time
-
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    deadline = time.monotonic() + timeout
-    while scheduler.requests or scheduler.has_requests():
-        assert time.monotonic() < deadline, f"engine still holds {sorted(scheduler.requests)}"
-        llm.llm_engine.step()
-        time.sleep(0.002)
-    ranks: list[dict[str, int]] = llm.collective_rpc(_rank_connector)
-    return ranks
-
-
-def run_prompts_tp(llm: Any) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    """Generate each prompt alone; tokens, and per prompt which layer block ids its full blocks have in the
-    prefix cache (None outside a window) with every rank's KV at those ids."""
-    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-    groups = [list(g.layer_names) for g in config.kv_cache_groups]
-    tokens: list[list[int]] = []
-    kv: list[dict[str, Any]] = []
-    for prompt in PROMPTS:
-        tokens += generate(llm, [prompt])
-        cached = _cached_ids_by_group(llm, prompt)
-        held = {  # per layer: the blocks (index in the prompt) cached in its group, and their ids
-            name: [(b, row[g]) for b, row in enumerate(cached) if row[g] is not None]
-            for g, names in enumerate(groups)
-            for name in names
-        }
-        per_rank = llm.collective_rpc(_rank_blocks, args=({n: [i for _, i in v] for n, v in held.items()},))
-        kv.append({"held": {n: [b for b, _ in v] for n, v in held.items()}, "ranks": per_rank})
-    return tokens, kv
-
-
 @pytest.mark.slow
 @pytest.mark.long  # three TP=2 engines, multiprocess: about a minute each to start on two busy cores
 @pytest.mark.timeout(900)
@@ -568,15 +478,15 @@ def test_tp2_a_hybrid_models_ranks_save_and_load_their_own_kv_byte_exact(
     url = f"file://{tmp_path / 'store'}"
     ref = make_llm(gemma2_model, **TP2)
     engines.append(ref)
-    want_tokens, _ = run_prompts_tp(ref)
+    want_tokens, _ = run_prompts(ref, PROMPTS)
     close_llm(ref)
     engines.remove(ref)
 
     first = make_llm(gemma2_model, kv=kv_config(backend_url=url), **TP2)
     engines.append(first)
-    tokens, computed = run_prompts_tp(first)
+    tokens, computed = run_prompts(first, PROMPTS)
     assert tokens == want_tokens
-    ranks = _settled(first)
+    ranks = settled(first)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["windowed"] and r["saved"] > 0 and r["held"] == 0 for r in ranks), ranks
     assert ranks[0]["saved"] == ranks[1]["saved"]  # each rank saves its own copy of every value
@@ -585,9 +495,9 @@ def test_tp2_a_hybrid_models_ranks_save_and_load_their_own_kv_byte_exact(
 
     second = make_llm(gemma2_model, kv=kv_config(backend_url=url), **TP2)
     engines.append(second)
-    tokens, loaded = run_prompts_tp(second)
+    tokens, loaded = run_prompts(second, PROMPTS)
     assert tokens == want_tokens
-    ranks = _settled(second)
+    ranks = settled(second)
     assert all(r["loaded"] > 0 and not r["load_failures"] and r["held"] == 0 for r in ranks), ranks
     assert not any(r["null_written"] for r in ranks), ranks
     full_layers = {n for kind, names in GEMMA2_GROUPS if kind == "FullAttentionSpec" for n in names}

@@ -190,7 +190,11 @@ class AsyncConnKVConnector(
                 save=config.is_kv_producer,
                 sync_lookup=self.settings.sync_lookup,
                 sync_loads=self.settings.kv_sync_loads,
-                events=KVEvents(keys, self.tier, store=events) if events or self._tier_events else None,
+                events=(
+                    KVEvents(keys, self.tier, store=events, stages=_pipeline_size(vllm_config))
+                    if events or self._tier_events
+                    else None
+                ),
                 parts=parts,
             )
             self._follow_tiers(self._scheduler, parts)

@@ -171,17 +171,18 @@ class _Pending:
 class KVEvents:
     """The scheduler side's events: snapshots of planned values, confirmed by the workers' reports.
 
-    ``ranks``: how many ranks must confirm a value (every TP rank; one when the KV is replicated, MLA).
-    ``store``: whether the store's residency is published (``kv_events``); without it, this only builds
-    and buffers another tier's events (:meth:`snapshot`, :meth:`emit`). Call every method from the
-    scheduler thread.
+    ``ranks``: how many workers must confirm a value: every TP rank (one when the KV is replicated, MLA)
+    of each of the ``stages`` pipeline stages, which each save their own layers. ``store``: whether the
+    store's residency is published (``kv_events``); without it, this only builds and buffers another tier's
+    events (:meth:`snapshot`, :meth:`emit`). Call every method from the scheduler thread.
     """
 
-    def __init__(self, keys: KeySpace, tier: Tier, *, store: bool = True) -> None:
+    def __init__(self, keys: KeySpace, tier: Tier, *, store: bool = True, stages: int = 1) -> None:
         from vllm.distributed import kv_events
 
         self._convert = _hash_converter()
         self.keys = keys
+        self.stages = stages
         self.tier = tier
         self.store = store
         self._stored_cls = kv_events.BlockStored
@@ -202,7 +203,7 @@ class KVEvents:
 
     @property
     def ranks(self) -> int:
-        return self.keys.keys_per_value
+        return self.keys.keys_per_value * self.stages
 
     # -- the sink -----------------------------------------------------------------------------------------
     def planned(self, request_id: str, request: Any, values: Sequence[tuple[int, bytes]]) -> None:
@@ -325,11 +326,13 @@ class KVEvents:
     def _remember(self, value_hash: bytes, block_hashes: list[Any]) -> None:
         self._stored[value_hash] = block_hashes
         self._stored.move_to_end(value_hash)
-        for rank in range(self.ranks):
+        # Every rank's key of the first pipeline stage: a later stage's keys are in its own key space (its
+        # layers), which the scheduler does not know, so its removals go unheard (kv.md).
+        for rank in range(self.keys.keys_per_value):
             self._key_to_value[self.keys.store_key(value_hash, rank)] = value_hash
         while len(self._stored) > MAX_VALUES:
             self._stored.popitem(last=False)
-        while len(self._key_to_value) > MAX_VALUES * self.ranks:
+        while len(self._key_to_value) > MAX_VALUES * self.keys.keys_per_value:
             self._key_to_value.popitem(last=False)
 
     def _stored_event(self, request: Any, index: int, tier: Tier) -> Any:

@@ -45,9 +45,9 @@ def _published(hashes: list[Any]) -> list[Any]:
     return [maybe_convert_block_hash(h) for h in hashes]
 
 
-def _events(tp: int = 1, bpv: int = 1, url: str = "file:///kv") -> KVEvents:
+def _events(tp: int = 1, bpv: int = 1, url: str = "file:///kv", stages: int = 1) -> KVEvents:
     identity = KVIdentity("m", "", "float16", "default", BLOCK, 2, 8, ("l0",), tp, bpv)
-    return KVEvents(KeySpace(identity), tier_of(url))
+    return KVEvents(KeySpace(identity), tier_of(url), stages=stages)
 
 
 def test_tiers_name_vllm_media_and_hit_sources() -> None:
@@ -123,6 +123,24 @@ def test_a_removed_store_key_becomes_block_removed_of_its_blocks() -> None:
     assert (removed.medium, removed.locality, removed.ownership) == ("CPU", "REMOTE", "asyncconn:redis")
     events.removed_keys([rank1_key])
     assert events.take() == []
+
+
+def test_with_pipeline_stages_every_stages_ranks_confirm_a_value_before_it_is_published() -> None:
+    """Two stages of two TP ranks each save their own layers: a value is in the store once all four
+    workers confirmed it, not once the first stage's two did; a removal of a first-stage key is heard."""
+    events = _events(tp=2, url="redis://h/0", stages=2)
+    request = _request("a", prompt(5, 2 * BLOCK))
+    h = list(request.block_hashes)
+    events.planned("a", request, [(0, h[0]), (1, h[1])])
+    events.update(SavedReport(saved={h[0]: 2, h[1]: 1}))  # the first stage's ranks (vLLM merged them)
+    assert events.take() == []
+    events.update(SavedReport(saved={h[0]: 2, h[1]: 2}))  # the second stage's
+    assert [e.block_hashes for e in events.take()] == [_published([h[0]])]
+    events.update(SavedReport(saved={h[1]: 1}))
+    assert [e.block_hashes for e in events.take()] == [_published([h[1]])]
+    events.update(SavedReport(removed=[events.keys.store_key(h[1], 1)]))
+    (removed,) = events.take()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == _published([h[1]])
 
 
 def test_buffers_are_bounded_drop_oldest_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,119 @@
+"""The KV connector under pipeline parallelism in vLLM's real engine: two stages (vLLM's multiprocess
+executor, a CPU core each), each holding half the layers.
+
+Each stage's worker saves and loads the KV of its own layers under keys of its own: the layers are part of the
+key space (``KeySpace``), so one stage never reads another's values. vLLM hands the scheduler the first
+stage's KV cache config, so lookups ask for the first stage's keys; a value another stage lacks (lost,
+evicted, never written) fails that stage's load, and vLLM recomputes it (``kv_load_failure_policy``):
+a miss, never a wrong block.
+
+vLLM 0.32's CPU model runner allocates a later stage's input buffers (``intermediate_tensors``) only in its
+warm-up run, which it skips on an eager engine with an explicit KV cache size (ours); the engine then stops at
+its first step (an ``AssertionError`` in ``sync_and_gather_intermediate_tensors``, with or without a
+connector). :func:`_stage_ready` allocates them as the warm-up would before the engine takes a request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncconn_tools.engines import close_llm, kv_config, make_llm
+from tests.engine.kvcase import FULL_BLOCKS, PROMPTS
+from tests.engine.ranks import block_hashes, run_prompts, settled
+
+PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
+#: The prompts' shared prefix (``shared_prefix_prompts``: 96 tokens) is blocks 0-2; 3 to 5 are each prompt's.
+OWN_BLOCKS = range(3, FULL_BLOCKS)
+
+
+def _stage_ready(worker: Any) -> int:
+    """In a worker process: a later stage's input buffers, as vLLM's warm-up run allocates them (see the
+    module docstring); the worker's stage."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    runner = worker.model_runner
+    if not get_pp_group().is_first_rank and runner.intermediate_tensors is None:
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+        )
+    return int(get_pp_group().rank_in_group)
+
+
+def _drop_own_values(worker: Any, block_hashes: list[bytes], stage: int) -> int:
+    """In a worker process: on pipeline stage ``stage`` only, delete from the store this stage's values of
+    ``block_hashes`` past the shared prefix (:data:`OWN_BLOCKS`); how many were there."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().rank_in_group != stage:
+        return 0
+    side = get_kv_transfer_group().worker_side
+    values = side.keys.value_hashes(block_hashes)  # one value per block (kv_blocks_per_value=1)
+    keys = side.keys.store_keys([values[b] for b in OWN_BLOCKS], 0)
+    return int(side.runtime.run(side.store.delete(keys), timeout=30.0))
+
+
+def _pp_llm(model: Path, url: str) -> Any:
+    """A two-stage engine on ``url``, ready for requests (needs ``VLLM_CPU_OMP_THREADS_BIND`` set)."""
+    from vllm import envs
+
+    # vLLM caches its environment once an engine has started (an earlier test's): read it afresh, so the
+    # workers get a core each.
+    envs.disable_envs_cache()
+    llm = make_llm(model, kv=kv_config(backend_url=url), **PP2)
+    assert llm.collective_rpc(_stage_ready) == [0, 1]
+    return llm
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp2_each_stage_saves_and_loads_its_own_layers_and_a_stage_missing_a_value_recomputes_it(
+    text_model: Path,
+    kv_reference: dict[str, Any],
+    engines: list[Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engine 1 (two stages) computes and saves: each stage every value of its own layers. Then the second
+    stage's copies of prompt 0's own values are deleted. A fresh engine 2 (two stages) loads: the first stage
+    every value, the second every value but those three, whose loads fail; vLLM recomputes them. Every
+    block each stage holds afterwards, prompt 0's included, is byte-equal to engine 1's, and tokens equal a
+    one-stage connector-less engine's."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    url = f"file://{tmp_path / 'store'}"
+    values = len({tuple(p[: (b + 1) * 32]) for p in PROMPTS for b in range(FULL_BLOCKS)})  # 3 shared + 4 x 3
+
+    first = _pp_llm(text_model, url)
+    engines.append(first)
+    tokens, computed = run_prompts(first, PROMPTS)
+    assert tokens == kv_reference["tokens"]
+    stages = settled(first)
+    assert [s["stage"] for s in stages] == [0, 1] and [s["rank"] for s in stages] == [0, 0]
+    assert all(s["saved"] == values and s["held"] == 0 for s in stages), stages
+    layers = [set(computed[0]["ranks"][w]) for w in (0, 1)]
+    assert layers[0] and layers[1] and not layers[0] & layers[1]  # each stage holds its own layers
+    assert layers[0] | layers[1] == set(kv_reference["kv"][0][0])  # and together the model's
+    hashes = [bytes(h) for h in block_hashes(first, PROMPTS[0])]
+    assert first.collective_rpc(_drop_own_values, args=(hashes, 1)) == [0, len(OWN_BLOCKS)]
+    close_llm(first)
+    engines.remove(first)
+
+    second = _pp_llm(text_model, url)
+    engines.append(second)
+    tokens, loaded = run_prompts(second, PROMPTS)
+    assert tokens == kv_reference["tokens"]
+    stages = settled(second)
+    assert stages[0]["loaded"] == values and not stages[0]["load_failures"], stages
+    # The second stage: the three values it lacks failed, and were not loaded (recomputed instead)
+    assert stages[1]["loaded"] == values - len(OWN_BLOCKS), stages
+    assert stages[1]["load_failures"] == len(OWN_BLOCKS), stages
+    assert all(s["held"] == 0 and not s["null_written"] for s in stages), stages
+    for p, (got, want) in enumerate(zip(loaded, computed, strict=True)):
+        for worker in (0, 1):
+            for name, rows in got["ranks"][worker].items():
+                assert got["held"][name] == list(range(FULL_BLOCKS)), (p, name)
+                assert torch.equal(rows, want["ranks"][worker][name]), (p, worker, name)
