@@ -31,6 +31,8 @@ __all__ = [
     "forward_ec_params",
     "kv_config",
     "make_llm",
+    "request_block_hashes",
+    "runner_kv_caches",
     "token_ids",
 ]
 
@@ -138,6 +140,31 @@ def close_llm(llm: Any) -> None:
     gc.collect()
 
 
+def runner_kv_caches(runner: Any) -> dict[str, torch.Tensor]:
+    """Layer name -> that layer's paged KV tensor, of a model runner (this process's, or a worker's in a
+    ``collective_rpc`` function)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        cache = getattr(layer, "kv_cache", None)
+        if isinstance(cache, list | tuple):
+            cache = cache[0] if cache else None
+        if isinstance(cache, torch.Tensor) and cache.numel():
+            out[name] = cache
+    return out
+
+
+def request_block_hashes(core: Any, prompt: Sequence[int]) -> list[Any]:
+    """vLLM's hashes of the full blocks of ``prompt``, as engine core ``core``'s scheduler computes them (it
+    runs in this process also when the workers do not)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    request = Request(
+        "probe", list(prompt), SamplingParams(max_tokens=1), None, block_hasher=core.request_block_hasher
+    )
+    return list(request.block_hashes)
+
+
 class Probe:
     """Read-only views into a live in-process engine, for checks a connector has to pass."""
 
@@ -151,29 +178,11 @@ class Probe:
     # -- KV ------------------------------------------------------------------------------------------
     def kv_caches(self) -> dict[str, torch.Tensor]:
         """Layer name -> that layer's paged KV tensor (CPU layout: ``[blocks, kv_heads, block, 2*head]``)."""
-        context = self.runner.compilation_config.static_forward_context
-        out: dict[str, torch.Tensor] = {}
-        for name, layer in context.items():
-            cache = getattr(layer, "kv_cache", None)
-            if isinstance(cache, list | tuple):
-                cache = cache[0] if cache else None
-            if isinstance(cache, torch.Tensor) and cache.numel():
-                out[name] = cache
-        return out
+        return runner_kv_caches(self.runner)
 
     def block_hashes(self, prompt: Sequence[int]) -> list[Any]:
         """vLLM's hashes of the full blocks of ``prompt``, as this engine computes them."""
-        from vllm import SamplingParams
-        from vllm.v1.request import Request
-
-        request = Request(
-            "probe",
-            list(prompt),
-            SamplingParams(max_tokens=1),
-            None,
-            block_hasher=self.core.request_block_hasher,
-        )
-        return list(request.block_hashes)
+        return request_block_hashes(self.core, prompt)
 
     def cached_block_ids(self, prompt: Sequence[int]) -> list[int | None]:
         """The block id holding each full block of ``prompt`` in the prefix cache (None: not cached)."""

@@ -4,24 +4,18 @@ process; the workers do not."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from asyncconn_tools.engines import request_block_hashes, runner_kv_caches
 from tests.engine.kvcase import generate
 
 
 def block_hashes(llm: Any, prompt: Sequence[int]) -> list[Any]:
     """vLLM's hashes of the full blocks of ``prompt``, as the engine's scheduler computes them."""
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    core = llm.llm_engine.engine_core.engine_core
-    request = Request(
-        "probe", list(prompt), SamplingParams(max_tokens=1), None, block_hasher=core.request_block_hasher
-    )
-    return list(request.block_hashes)
+    return request_block_hashes(llm.llm_engine.engine_core.engine_core, prompt)
 
 
 def _cached_ids_by_group(llm: Any, prompt: Sequence[int]) -> list[list[int | None]]:
@@ -40,15 +34,8 @@ def _cached_ids_by_group(llm: Any, prompt: Sequence[int]) -> list[list[int | Non
 
 
 def _layer_caches(worker: Any) -> dict[str, torch.Tensor]:
-    """In a worker process: layer name -> that layer's paged KV tensor (as :meth:`Probe.kv_caches`)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, layer in worker.model_runner.compilation_config.static_forward_context.items():
-        cache = getattr(layer, "kv_cache", None)
-        if isinstance(cache, list | tuple):
-            cache = cache[0] if cache else None
-        if isinstance(cache, torch.Tensor) and cache.numel():
-            out[name] = cache
-    return out
+    """In a worker process: layer name -> that layer's paged KV tensor."""
+    return runner_kv_caches(worker.model_runner)
 
 
 def _rank_blocks(worker: Any, ids: list[list[int]]) -> dict[str, tuple[int, torch.Tensor]]:
@@ -84,9 +71,11 @@ def _rank_connector(worker: Any) -> dict[str, int]:
     }
 
 
-def settled(llm: Any, timeout: float = 60.0) -> list[dict[str, int]]:
+def settled(
+    llm: Any, probe: Callable[[Any], dict[str, int]] | None = None, timeout: float = 60.0
+) -> list[dict[str, int]]:
     """Step the engine until it holds no request (every worker reported its saves), then each worker's
-    connector figures (:func:`_rank_connector`), in worker order."""
+    connector figures, in worker order: ``probe`` run in each worker (default :func:`_rank_connector`)."""
     import time
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -95,7 +84,7 @@ def settled(llm: Any, timeout: float = 60.0) -> list[dict[str, int]]:
         assert time.monotonic() < deadline, f"engine still holds {sorted(scheduler.requests)}"
         llm.llm_engine.step()
         time.sleep(0.002)
-    ranks: list[dict[str, int]] = llm.collective_rpc(_rank_connector)
+    ranks: list[dict[str, int]] = llm.collective_rpc(probe or _rank_connector)
     return ranks
 
 

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm
+from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm, runner_kv_caches
 from tests.engine.kvcase import assert_idle, generate
+from tests.engine.ranks import settled
 
 pytestmark = pytest.mark.vllm
 
@@ -129,14 +130,7 @@ TP2 = {**CPU_MLA, "tensor_parallel_size": 2, "distributed_executor_backend": "mp
 
 def _rank_latent_blocks(worker: Any, block_ids: list[int]) -> dict[str, torch.Tensor]:
     """In a TP worker process (``collective_rpc``): each layer's latent KV at ``block_ids``."""
-    out: dict[str, torch.Tensor] = {}
-    for name, layer in worker.model_runner.compilation_config.static_forward_context.items():
-        cache = getattr(layer, "kv_cache", None)
-        if isinstance(cache, list | tuple):
-            cache = cache[0] if cache else None
-        if isinstance(cache, torch.Tensor) and cache.numel():
-            out[name] = cache[block_ids].clone()
-    return out
+    return {name: cache[block_ids].clone() for name, cache in runner_kv_caches(worker.model_runner).items()}
 
 
 def _rank_connector(worker: Any) -> dict[str, int]:
@@ -179,22 +173,6 @@ def run_prompts_tp(llm: Any) -> list[list[dict[str, torch.Tensor]]]:
     return kv
 
 
-def _connectors_settled(llm: Any, timeout: float = 60.0) -> list[dict[str, int]]:
-    """Step the engine until it holds no request -- a request whose saves were planned is freed only once
-    *both* ranks reported it in ``finished_sending`` (vLLM's aggregator), rank 1 with nothing saved -- then
-    each rank's connector figures."""
-    import time
-
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    deadline = time.monotonic() + timeout
-    while scheduler.requests or scheduler.has_requests():
-        assert time.monotonic() < deadline, f"engine still holds {sorted(scheduler.requests)}"
-        llm.llm_engine.step()
-        time.sleep(0.002)
-    ranks: list[dict[str, int]] = llm.collective_rpc(_rank_connector)
-    return ranks
-
-
 @pytest.mark.slow
 @pytest.mark.long  # two TP=2 engines, multiprocess: about a minute each to start on two busy cores
 @pytest.mark.timeout(600)
@@ -210,7 +188,7 @@ def test_tp2_ranks_store_one_latent_copy_and_both_load_it_byte_exact(
     first = make_llm(mla_model, kv=kv_config(backend_url=url), **TP2)
     engines.append(first)
     computed = run_prompts_tp(first)
-    ranks = _connectors_settled(first)
+    ranks = settled(first, _rank_connector)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert [r["saved"] for r in ranks] == [len(PROMPTS) * FULL_BLOCKS, 0]  # rank 0 saves, rank 1 does not
     assert [r["held"] for r in ranks] == [0, 0]  # rank 1 reported its (no) saves finished: nothing held
@@ -225,7 +203,7 @@ def test_tp2_ranks_store_one_latent_copy_and_both_load_it_byte_exact(
     second = make_llm(mla_model, kv=kv_config(backend_url=url), **TP2)
     engines.append(second)
     loaded = run_prompts_tp(second)
-    ranks = _connectors_settled(second)
+    ranks = settled(second, _rank_connector)
     assert all(r["loaded"] == len(PROMPTS) * FULL_BLOCKS and not r["load_failures"] for r in ranks), ranks
     assert [r["held"] for r in ranks] == [0, 0]
     for p, (got, want) in enumerate(zip(loaded, computed, strict=True)):
