@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from asyncconn_tools.engines import close_llm, kv_config, make_llm
+from tests.engine import routers
 from tests.engine.kvcase import FULL_BLOCKS, PROMPTS
 from tests.engine.ranks import block_hashes, run_prompts, settled
 
@@ -57,14 +58,14 @@ def _drop_own_values(worker: Any, block_hashes: list[bytes], stage: int) -> int:
     return int(side.runtime.run(side.store.delete(keys), timeout=30.0))
 
 
-def _pp_llm(model: Path, url: str) -> Any:
+def _pp_llm(model: Path, url: str, **extra: Any) -> Any:
     """A two-stage engine on ``url``, ready for requests (needs ``VLLM_CPU_OMP_THREADS_BIND`` set)."""
     from vllm import envs
 
     # vLLM caches its environment once an engine has started (an earlier test's): read it afresh, so the
     # workers get a core each.
     envs.disable_envs_cache()
-    llm = make_llm(model, kv=kv_config(backend_url=url), **PP2)
+    llm = make_llm(model, kv=kv_config(backend_url=url), **PP2, **extra)
     assert llm.collective_rpc(_stage_ready) == [0, 1]
     return llm
 
@@ -78,16 +79,20 @@ def test_pp2_each_stage_saves_and_loads_its_own_layers_and_a_stage_missing_a_val
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Engine 1 (two stages) computes and saves: each stage every value of its own layers. Then the second
+    """Engine 1 (two stages) computes and saves: each stage every value of its own layers, and vLLM's KV
+    events publish every value as stored (both stages' reports reach the scheduler). Then the second
     stage's copies of prompt 0's own values are deleted. A fresh engine 2 (two stages) loads: the first stage
     every value, the second every value but those three, whose loads fail; vLLM recomputes them. Every
     block each stage holds afterwards, prompt 0's included, is byte-equal to engine 1's, and tokens equal a
     one-stage connector-less engine's."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     url = f"file://{tmp_path / 'store'}"
     values = len({tuple(p[: (b + 1) * 32]) for p in PROMPTS for b in range(FULL_BLOCKS)})  # 3 shared + 4 x 3
 
-    first = _pp_llm(text_model, url)
+    events_config, _, replay_port = routers.events_config()
+    first = _pp_llm(text_model, url, kv_events_config=events_config)
     engines.append(first)
     tokens, computed = run_prompts(first, PROMPTS)
     assert tokens == kv_reference["tokens"]
@@ -97,6 +102,9 @@ def test_pp2_each_stage_saves_and_loads_its_own_layers_and_a_stage_missing_a_val
     layers = [set(computed[0]["ranks"][w]) for w in (0, 1)]
     assert layers[0] and layers[1] and not layers[0] & layers[1]  # each stage holds its own layers
     assert layers[0] | layers[1] == set(kv_reference["kv"][0][0])  # and together the model's
+    published = routers.residency(routers.replayed_batches(replay_port))[("STORAGE", "asyncconn:file")]
+    full = {maybe_convert_block_hash(h) for p in PROMPTS for h in block_hashes(first, p)[:FULL_BLOCKS]}
+    assert len(full) == values and published == full
     hashes = [bytes(h) for h in block_hashes(first, PROMPTS[0])]
     assert first.collective_rpc(_drop_own_values, args=(hashes, 1)) == [0, len(OWN_BLOCKS)]
     close_llm(first)
