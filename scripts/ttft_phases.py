@@ -12,7 +12,9 @@ after ``reset_prefix_cache``, and every sample is cut into phases from timestamp
   received in place), ``after`` (from the last read to the forward), and ``after`` cut in four:
   ``reported`` (until the worker's ``get_finished`` returns with the load: hand-back and poll),
   ``rescheduled`` (until vLLM's next ``schedule()`` has run), ``inputs`` (until that step's
-  ``_prepare_inputs`` has run) and ``to_forward``;
+  ``_prepare_inputs`` has run) and ``to_forward``; ``copy``: the time vLLM's thread spent writing staged
+  values into their blocks (values read in place have none), and ``copy_after_reads`` the part of it after
+  the last read;
 - ``ExampleConnector``: ``load`` (its ``start_load_kv``, on vLLM's thread) and ``after`` (until the forward);
 - both: ``start`` (from ``generate`` to the first of those), ``forward_at`` (from ``generate`` to the forward
   of the prompt's tail), ``forward`` (its length) and ``ttft``.
@@ -136,6 +138,7 @@ def _targets() -> list[tuple[type, str, str]]:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from asyncconn.vllm.kv.layout import CacheLayout
     from asyncconn.vllm.kv.worker import KVWorkerSide
 
     return [
@@ -146,6 +149,7 @@ def _targets() -> list[tuple[type, str, str]]:
         (ChunkReader, "hmget_into", "read"),  # a chunked one
         (ExampleConnector, "start_load_kv", "load"),
         (KVWorkerSide, "get_finished", "finished"),
+        (CacheLayout, "scatter", "copy"),  # a staged value into its blocks, on vLLM's thread
         (Scheduler, "schedule", "schedule"),
         (GPUModelRunner, "_prepare_inputs", "inputs"),
     ]
@@ -173,12 +177,16 @@ def _phases(events: list[tuple[float, float, str]], t0: float, t1: float) -> dic
     loads = [e for e in events if e[2] == "load" and e[1] - e[0] > 1e-4]
     if issues and reads:
         first_read, last_read = min(e[0] for e in reads), max(e[1] for e in reads)
+        copies = [e for e in events if e[2] == "copy" and e[1] <= forward_at]
         out |= {
             "start": (issues[0][0] - t0) * ms,
             "issue": (issues[0][1] - issues[0][0]) * ms,
             "prep": (first_read - issues[0][1]) * ms,
             "read": (last_read - first_read) * ms,
             "after": (forward_at - last_read) * ms,
+            # Staged values written into their blocks (in-place reads have none): in all, and after the reads
+            "copy": sum(e[1] - e[0] for e in copies) * ms,
+            "copy_after_reads": sum(e[1] - max(e[0], last_read) for e in copies if e[1] > last_read) * ms,
         }
         # The after-phase step by step: each mark is the first such call to end after the previous mark.
         marks, at = {}, last_read
