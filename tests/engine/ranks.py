@@ -33,15 +33,10 @@ def _cached_ids_by_group(llm: Any, prompt: Sequence[int]) -> list[list[int | Non
     return out
 
 
-def _layer_caches(worker: Any) -> dict[str, torch.Tensor]:
-    """In a worker process: layer name -> that layer's paged KV tensor."""
-    return runner_kv_caches(worker.model_runner)
-
-
 def _rank_blocks(worker: Any, ids: list[list[int]]) -> dict[str, tuple[int, torch.Tensor]]:
     """In a worker process (``collective_rpc``): each of its layers' KV cache group (in this worker's own KV
     cache config: a pipeline stage names only its layers) and its KV at that group's block ids."""
-    caches = _layer_caches(worker)
+    caches = runner_kv_caches(worker.model_runner)
     groups = worker.model_runner.kv_cache_config.kv_cache_groups
     return {
         name: (g, caches[name][ids[g]].clone())
@@ -59,6 +54,7 @@ def _rank_connector(worker: Any) -> dict[str, int]:
 
     side = get_kv_transfer_group().worker_side
     side.poll()
+    caches = runner_kv_caches(worker.model_runner)
     return {
         "rank": side.rank,
         "stage": get_pp_group().rank_in_group,
@@ -67,7 +63,7 @@ def _rank_connector(worker: Any) -> dict[str, int]:
         "loaded": side.loader.loaded,
         "load_failures": sum(side.loader.failures.values()),
         "held": sum(side.held().values()),
-        "null_written": int(any(bool(cache[0].any()) for cache in _layer_caches(worker).values())),
+        "null_written": int(any(bool(cache[0].any()) for cache in caches.values())),
     }
 
 

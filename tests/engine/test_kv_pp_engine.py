@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncconn_tools.engines import close_llm, kv_config, make_llm
+from asyncconn_tools.engines import BLOCK_SIZE, close_llm, kv_config, make_llm
 from tests.engine import routers
 from tests.engine.kvcase import FULL_BLOCKS, PROMPTS
 from tests.engine.ranks import block_hashes, run_prompts, settled
@@ -89,7 +89,7 @@ def test_pp2_each_stage_saves_and_loads_its_own_layers_and_a_stage_missing_a_val
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     url = f"file://{tmp_path / 'store'}"
-    values = len({tuple(p[: (b + 1) * 32]) for p in PROMPTS for b in range(FULL_BLOCKS)})  # 3 shared + 4 x 3
+    values = len({tuple(p[: (b + 1) * BLOCK_SIZE]) for p in PROMPTS for b in range(FULL_BLOCKS)})  # 3 + 4 x 3
 
     events_config, _, replay_port = routers.events_config()
     first = _pp_llm(text_model, url, kv_events_config=events_config)

@@ -177,7 +177,8 @@ class AsyncConnKVConnector(
         # Which residencies vLLM's KV events carry (``kv_events``): the store's, the host tiers', or both.
         scope = self.settings.kv_events if _kv_events_on(vllm_config) and config.is_kv_producer else "none"
         events = scope in ("all", "store")
-        self._tier_followed = self.settings.host_cache_bytes > 0 and _pipeline_size(vllm_config) == 1
+        stages = _pipeline_size(vllm_config)
+        self._tier_followed = self.settings.host_cache_bytes > 0 and stages == 1
         self._tier_events = self._tier_followed and scope in ("all", "host")
         self._tier_mode = _tier_mode(self._tier_followed, self._tier_events, config.is_kv_consumer, tp_size)
         if role == KVConnectorRole.SCHEDULER:
@@ -191,7 +192,7 @@ class AsyncConnKVConnector(
                 sync_lookup=self.settings.sync_lookup,
                 sync_loads=self.settings.kv_sync_loads,
                 events=(
-                    KVEvents(keys, self.tier, store=events, stages=_pipeline_size(vllm_config))
+                    KVEvents(keys, self.tier, store=events, stages=stages)
                     if events or self._tier_events
                     else None
                 ),
