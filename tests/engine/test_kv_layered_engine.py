@@ -4,6 +4,10 @@ engine on the same host loads a prefix from the local disk, byte for byte, witho
 Proof that redis was not read: its own command counters (``INFO commandstats``) show no read command run
 while the second engine served the prompts (its lookups, ``EXISTS``, still go to redis: it is the fleet's
 truth); a load that reached redis would have had to run one.
+
+vLLM counts the tokens the local store served as ``disk`` (``vllm:prompt_tokens_cached_by_source``), and
+those read from redis under redis's source: all ``disk`` while the local disk holds every value; with half of
+its files deleted, both, each at least the tokens of the values its store served.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 
+from asyncconn.transfer import Failure
 from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate
 from tests.servers import RedisServer
@@ -22,6 +27,15 @@ pytestmark = pytest.mark.vllm
 
 #: Commands that read a value's bytes (any read path of the redis backend).
 READS = ("get", "getrange", "mget", "hget", "hmget", "hgetall", "hstrlen", "substr")
+
+
+def _by_source(llm: Any) -> dict[str, float]:
+    """vLLM's cached prompt tokens by source, not counting its own prefix cache (``device``)."""
+    return {
+        m.labels["source"]: m.value
+        for m in llm.get_metrics()
+        if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") != "device"
+    }
 
 
 def _reads(server: RedisServer) -> int:
@@ -66,6 +80,30 @@ def test_a_fresh_engine_loads_from_the_local_disk_not_from_redis(
     assert layered is not None
     assert worker.loader.loaded > 0 and not worker.loader.failures
     assert layered.stats.local_misses == 0 and layered.stats.fills == 0
-    assert probe.metrics()["vllm:external_prefix_cache_hits"] > 0
+    hit_tokens = probe.metrics()["vllm:external_prefix_cache_hits"]
+    assert hit_tokens > 0
+    assert {k: v for k, v in _by_source(second).items() if v} == {"disk": hit_tokens}
     for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)
+
+    # Half the local copies gone: those values come from redis (and are written locally again).
+    for path in sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))[::2]:
+        path.unlink()
+    before = _by_source(second)
+    stats = layered.stats
+    local_hits = stats.local_hits
+    assert second.reset_prefix_cache()
+    assert generate(second, PROMPTS) == kv_reference["tokens"]
+    assert_idle(probe)
+    after = _by_source(second)
+    disk = after.get("disk", 0) - before.get("disk", 0)
+    remote = after.get("external_unspecified", 0) - before.get("external_unspecified", 0)
+    tokens_per_value = worker.keys.tokens_per_value
+    local_hits = stats.local_hits - local_hits
+    assert stats.fills > 0 and local_hits > 0
+    # (The values the local disk lacks are tried in place first, then read through staging: NOT_CACHED.)
+    assert set(worker.loader.failures) <= {Failure.NOT_CACHED}
+    assert disk + remote == probe.metrics()["vllm:external_prefix_cache_hits"] - hit_tokens
+    # A value read by several requests' loads at once is read once: each is counted at least once.
+    assert remote >= stats.fills * tokens_per_value
+    assert disk >= local_hits * tokens_per_value

@@ -21,7 +21,8 @@ Routers and metrics (:mod:`asyncconn.vllm.kv.events`): with vLLM's KV events on 
 producer publishes ``BlockStored`` for each value its workers confirmed in the store (and ``BlockRemoved``
 for removals a source reports), with the store's tier as ``medium``, and, with a host tier, the tiers' own
 residency (:mod:`asyncconn.vllm.kv.tierevents`); external hits are counted under the store's
-``CacheHitSource`` (``vllm:prompt_tokens_cached_by_source``), the host tiers' under ``host``.
+``CacheHitSource`` (``vllm:prompt_tokens_cached_by_source``), the host tiers' under ``host``, the local
+store's (``local_store_url``) under ``disk`` (:mod:`asyncconn.vllm.kv.localstore`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from asyncconn.config import Settings
 from asyncconn.exceptions import BackendTimeout
-from asyncconn.lookup import PREFIX, LookupConfig, open_lookup_client
+from asyncconn.lookup import EXISTS, PREFIX, LookupConfig, open_lookup_client
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_devices
@@ -54,6 +55,7 @@ from asyncconn.vllm.kv.events import KVEvents, SaveReports, tier_of
 from asyncconn.vllm.kv.groups import GroupLayout, check_groups, check_sync_loads
 from asyncconn.vllm.kv.hostclaims import HostClaims, register_tier, unregister_tier
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+from asyncconn.vllm.kv.localstore import LocalStoreHits
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
@@ -197,6 +199,7 @@ class AsyncConnKVConnector(
                     else None
                 ),
                 parts=parts,
+                local_store=self._local_store_hits(parts) if lookup is not None else None,
             )
             self._follow_tiers(self._scheduler, parts)
             where = _lookups(self.settings, lookup)
@@ -295,6 +298,16 @@ class AsyncConnKVConnector(
             scheduler.host = mirror
             if self._tier_events and scheduler.events is not None:
                 scheduler.tier_events = TierEvents(scheduler.events, mirror)
+
+    def _local_store_hits(self, parts: ValueParts) -> LocalStoreHits | None:
+        """The scheduler's questions to the local store (``local_store_url``), to count its hits as
+        ``disk``: none without one, nor for values stored in parts (:mod:`asyncconn.vllm.kv.localstore`)."""
+        url = self.settings.local_store_url
+        if url is None or len(parts.keys) != 1:
+            return None
+        shared = LookupConfig.from_settings(self.settings)
+        config = dataclasses.replace(shared, backend_url=url, lookup_server=None, lookup_server_key=None)
+        return LocalStoreHits(open_lookup_client(config, EXISTS), parts.keys[0].keys_per_value)
 
     def _worker_tier(self, store: TensorStore) -> WorkerTierNews | None:
         """Claims: the tier registered for the scheduler in this process; reports: reporting to it."""
@@ -453,13 +466,21 @@ class AsyncConnKVConnector(
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """The load just planned for ``request``, by source: the tokens the host tier was made to keep for
-        it as ``host`` (:mod:`asyncconn.vllm.kv.hostclaims`), the rest under the store's own source."""
-        host = min(self.scheduler_side.host_tokens(request.request_id), max(num_external_tokens, 0))
+        it as ``host`` (:mod:`asyncconn.vllm.kv.hostclaims`), the others the local store holds as ``disk``
+        (:mod:`asyncconn.vllm.kv.localstore`), the rest under the store's own source."""
+        side = self.scheduler_side
+        external = max(num_external_tokens, 0)
+        host = min(side.host_tokens(request.request_id), external)
+        # The tier holds what this host read or wrote last, which the local store holds too.
+        disk = max(min(side.local_store_tokens(request.request_id), external) - host, 0)
         sources: dict[Any, int] = {}
         if host:
             sources[_hit_source("host")] = host
-        if num_external_tokens > host:
-            sources[self._cache_hit_source] = num_external_tokens - host
+        if disk:
+            sources[_hit_source("disk")] = sources.get(_hit_source("disk"), 0) + disk
+        if external > host + disk:
+            rest = self._cache_hit_source
+            sources[rest] = sources.get(rest, 0) + external - host - disk
         return sources
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -33,6 +33,7 @@ from asyncconn.vllm.kv.events import KVEvents, SavedReport
 from asyncconn.vllm.kv.groups import has_null, real_blocks
 from asyncconn.vllm.kv.hostclaims import HostHits
 from asyncconn.vllm.kv.keys import KeySpace
+from asyncconn.vllm.kv.localstore import LocalStoreHits
 from asyncconn.vllm.kv.metadata import (
     AsyncConnKVMetadata,
     AsyncConnKVStats,
@@ -82,7 +83,9 @@ class KVSchedulerSide:
     tiers are known, to count them as ``host`` (:mod:`asyncconn.vllm.kv.hostclaims`,
     :mod:`asyncconn.vllm.kv.tiernews`). ``tier_events`` (KV events on, the tiers reporting to ``host``):
     the host tiers' own events, snapshotted at every planned save and load
-    (:mod:`asyncconn.vllm.kv.tierevents`).
+    (:mod:`asyncconn.vllm.kv.tierevents`). ``local_store`` (a ``local_store_url``, one-part values): the
+    local store is asked beside the shared one, to count the tokens it serves as ``disk``
+    (:mod:`asyncconn.vllm.kv.localstore`).
     """
 
     def __init__(
@@ -97,9 +100,11 @@ class KVSchedulerSide:
         parts: ValueParts | None = None,
         host: HostHits | None = None,
         tier_events: TierEvents | None = None,
+        local_store: LocalStoreHits | None = None,
     ) -> None:
         self.keys = keys
         self.host = host
+        self.local_store = local_store
         self.tier_events = tier_events
         self.parts = parts if parts is not None else ValueParts.single(keys)
         self.events = events
@@ -159,6 +164,8 @@ class KVSchedulerSide:
         hit_tokens = hit * tpv
         if hit_tokens <= num_computed_tokens:
             return 0, False
+        if self.local_store is not None and not self.local_store.answered(rid):
+            return None, False  # the local store's answer splits the hit by source: a step at most, bounded
         return hit_tokens - num_computed_tokens, not self.sync_loads
 
     def _search(self, rid: str, hashes: list[bytes], usable: int) -> int | None:
@@ -206,6 +213,8 @@ class KVSchedulerSide:
         if lookup.pending(rid):
             return lookup.poll(rid)
         keys = space.lookup_keys(value_hashes)
+        if self.local_store is not None:  # one-part values only: ``space`` is ``self.keys``
+            self.local_store.ask(rid, keys)
         if self.sync_lookup:
             return lookup.lookup_sync(rid, keys)
         lookup.submit(rid, keys)
@@ -237,8 +246,10 @@ class KVSchedulerSide:
         values: list[ValueRef] = []
         named: list[tuple[int, bytes]] = []  # (index, hash) of the values whose first part it loads
         loading: dict[int, frozenset[int]] = {}
+        tokens: list[tuple[int, int]] = []  # (index, tokens loaded) of each value
         for v in range(first_block // bpv, hit):
             positions = tuple(j for j in range(bpv) if v * bpv + j >= first_block)
+            tokens.append((v, len(positions) * block_size))
             ids = tuple(tuple(g[v * bpv + j] for j in positions) for g in groups)
             if parts.whole is not None:
                 values.append(ValueRef(hashes[v], positions, ids, parts.whole))
@@ -251,6 +262,8 @@ class KVSchedulerSide:
             state.loading = loading
         if self.host is not None:  # (a sync load's claims are held until the request ends)
             self.host.claim(rid, values)
+        if self.local_store is not None:
+            self.local_store.planned(rid, tokens)
         if self.tier_events is not None:  # the load puts them in the tiers
             self.tier_events.planned(request, named)
         self._loads.append(LoadSpec(rid, tuple(values), sync=self.sync_loads))
@@ -258,6 +271,11 @@ class KVSchedulerSide:
     def host_tokens(self, rid: str) -> int:
         """Tokens of ``rid``'s planned load that the host tier serves (asked once, right after planning)."""
         return self.host.take_tokens(rid) if self.host is not None else 0
+
+    def local_store_tokens(self, rid: str) -> int:
+        """Tokens of ``rid``'s planned load that the local store holds (asked once, right after planning;
+        the host tier's among them)."""
+        return self.local_store.take_tokens(rid) if self.local_store is not None else 0
 
     # -- every step ------------------------------------------------------------------------------------
     def build_connector_meta(self, so: Any) -> AsyncConnKVMetadata:
@@ -276,6 +294,8 @@ class KVSchedulerSide:
             self._probes.pop(rid, None)
             if self.host is not None:
                 self.host.release(rid)
+            if self.local_store is not None:
+                self.local_store.release(rid)
             if self.lookup is not None:
                 self.lookup.discard(rid)
         step_tokens = int(getattr(so, "total_num_scheduled_tokens", -1))
@@ -293,6 +313,8 @@ class KVSchedulerSide:
             self._via_recv.clear()
         if step_tokens == 0 and self.lookup is not None and not self.sync_lookup:
             self.lookup.wait(IDLE_WAIT_S)
+            if self.local_store is not None:
+                self.local_store.wait(IDLE_WAIT_S)
         if not self.save:
             return meta
         for new in so.scheduled_new_reqs:
@@ -447,6 +469,8 @@ class KVSchedulerSide:
         self._local.pop(rid, None)
         if self.host is not None:
             self.host.release(rid)
+        if self.local_store is not None:
+            self.local_store.release(rid)
         if self.lookup is not None:
             self.lookup.discard(rid)
 
@@ -488,6 +512,8 @@ class KVSchedulerSide:
             out.update(self.events.held())
         if self.host is not None:
             out.update(self.host.held())
+        if self.local_store is not None:
+            out.update(self.local_store.held())
         return out
 
     def close(self) -> None:
@@ -503,5 +529,7 @@ class KVSchedulerSide:
             self.tier_events.close()
         if self.events is not None:
             self.events.close()
+        if self.local_store is not None:
+            self.local_store.close()
         if self.lookup is not None:
             self.lookup.close()

@@ -165,7 +165,7 @@ def test_the_connector_splits_a_hit_between_host_and_the_stores_source() -> None
 
     def sources(host: int, n: int) -> dict[Any, int]:
         fake = SimpleNamespace(
-            scheduler_side=SimpleNamespace(host_tokens=lambda rid: host),
+            scheduler_side=SimpleNamespace(host_tokens=lambda rid: host, local_store_tokens=lambda rid: 0),
             _cache_hit_source=CacheHitSource.DISK,
         )
         return AsyncConnKVConnector.get_external_cache_hit_sources(fake, _request("r"), n)  # type: ignore[arg-type]
