@@ -194,9 +194,10 @@ class OpenAIServer:
         """``/metrics`` as series name -> value summed over label sets."""
         return prometheus.totals(self._scrape())
 
-    def metrics_by(self, name: str, label: str) -> dict[str, float]:
-        """One series of ``/metrics`` by the value of one of its labels (summed over the others)."""
-        return prometheus.by_label(self._scrape(), name, label)
+    def metrics_by(self, name: str, label: str, where: Mapping[str, str] | None = None) -> dict[str, float]:
+        """One series of ``/metrics`` by the value of one of its labels (summed over the others), of the
+        samples whose labels include ``where``."""
+        return prometheus.by_label(self._scrape(), name, label, where)
 
     def _scrape(self) -> str:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as reply:

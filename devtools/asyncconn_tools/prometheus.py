@@ -4,7 +4,7 @@ series by one label's value. One parser for every server the tools scrape (vLLM'
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 __all__ = ["by_label", "totals"]
 
@@ -34,11 +34,13 @@ def totals(text: str, keep: Callable[[str], bool] = lambda name: True) -> dict[s
     return out
 
 
-def by_label(text: str, name: str, label: str) -> dict[str, float]:
-    """Series ``name`` by the value of its ``label`` (summed over the other labels; "" where it has none)."""
+def by_label(text: str, name: str, label: str, where: Mapping[str, str] | None = None) -> dict[str, float]:
+    """Series ``name`` by the value of its ``label`` (summed over the other labels; "" where it has none),
+    of the samples whose labels include ``where`` (e.g. one engine's: ``{"engine": "1"}``)."""
     out: dict[str, float] = {}
+    wanted = dict(where or {}).items()
     for series, labels, value in _samples(text):
-        if series == name:
+        if series == name and wanted <= labels.items():
             key = labels.get(label, "")
             out[key] = out.get(key, 0.0) + value
     return out

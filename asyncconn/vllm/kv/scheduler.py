@@ -234,6 +234,8 @@ class KVSchedulerSide:
         if local is not None:
             state.stored_values = max(state.stored_values, local)
         if num_external_tokens <= 0 or hit is None:
+            if self.local_store is not None:  # nothing to split: its question (or answer) goes
+                self.local_store.release(rid)
             return
         block_size = self.keys.identity.block_size
         bpv = self.keys.blocks_per_value

@@ -169,3 +169,13 @@ def test_the_connector_splits_a_hit_between_host_disk_and_the_stores_source() ->
     assert sources(32, 16, 64) == {host: 32, ext: 32}  # (a tier holding what the local store dropped)
     assert sources(0, 80, 64) == {disk: 64}  # never more than vLLM granted
     assert sources(0, 0, 64) == {ext: 64}
+
+
+def test_an_admitted_request_with_nothing_to_load_drops_its_local_question(h: Harness) -> None:
+    request = _request("n")
+    h.side.get_num_new_matched_tokens(request, 0)
+    h.answer(h.shared, 0)  # a miss: nothing waits for the local answer
+    assert h.side.get_num_new_matched_tokens(request, 0) == (0, False)
+    h.side.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5, 6, 7]), 0)
+    wait_until(lambda: not any(v for k, v in h.side.held().items() if k != "requests"))
+    assert h.side.local_store_tokens("n") == 0
