@@ -9,10 +9,12 @@ metrics are read per engine (``engine`` label):
 
 1. rank 0 computes the prompts and saves them; rank 1 has loaded nothing yet;
 2. rank 1 serves the same prompts from the store: every full value's tokens are external hits of rank 1,
-   counted under the store's source (its tier is empty), and the text is rank 0's;
-3. rank 1 again: now its own tier holds them (the loads filled it), so they count as ``host``.
-It would fail if the ranks' keys differed (step 2 computes), if a rank's tier were another's or shared
-(step 2's ``host`` tokens, or none in step 3), or if the connector did not start inside a DP engine.
+   the first ones counted under the store's source (its tier is empty), and the text is rank 0's;
+3. rank 1 again: now its own tier holds them (the loads filled it), so every one counts as ``host``. vLLM's
+   CPU platform runs even one worker in a process of its own under ``vllm serve``: the tier is followed by
+   its reports (:mod:`asyncconn.vllm.kv.tiernews`), not by claims in the scheduler's process.
+It would fail if the ranks' keys differed (step 2 computes), if rank 1's tier were not counted (step 3), or if
+the connector did not start inside a DP engine.
 """
 
 from __future__ import annotations
@@ -106,10 +108,15 @@ def test_two_data_parallel_engines_share_the_store_and_keep_their_own_tiers(
 
     assert _complete(server, 1) == computed
     assert _engine(server, hits, 1) == full, "rank 1 did not load what rank 0 saved"
-    assert _sources(server, 1) == {"external_unspecified": full}  # its own tier held nothing yet
+    first = _sources(server, 1)
+    # Its own tier held nothing: the first values came from redis. The prompts share a prefix (and vLLM's
+    # prefix cache is off): a later request may find values an earlier one's load put in the tier.
+    assert set(first) <= {"external_unspecified", "host"} and sum(first.values()) == full
+    assert first.get("external_unspecified", 0) > 0
     assert _engine(server, "asyncconn:kv_load_failures_total", 1) == 0
 
     assert _complete(server, 1) == computed
     assert _engine(server, hits, 1) == 2 * full
-    assert _sources(server, 1) == {"external_unspecified": full, "host": full}
+    second = {k: v - first.get(k, 0) for k, v in _sources(server, 1).items() if v - first.get(k, 0)}
+    assert second == {"host": full}, "rank 1's tier did not serve (or was not counted)"
     assert _engine(server, "asyncconn:kv_host_hits_total", 1) > 0

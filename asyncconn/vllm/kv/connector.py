@@ -113,16 +113,31 @@ def _pipeline_size(vllm_config: Any) -> int:
 TierMode = Literal["none", "claims", "reports"]
 
 
-def _tier_mode(followed: bool, events: bool, consumer: bool, tp_size: int) -> TierMode:
-    """``reports`` with KV events (the tiers' events) or several ranks; ``claims`` for one rank without
-    events; ``none`` without a tier, with pipeline parallelism, or when nothing needs the tiers."""
+def _tier_mode(followed: bool, events: bool, consumer: bool, tp_size: int, in_process: bool) -> TierMode:
+    """``reports`` with KV events (the tiers' events), several ranks, or a worker in a process of its own;
+    ``claims`` for one rank in the scheduler's process without events; ``none`` without a tier, with
+    pipeline parallelism, or when nothing needs the tiers."""
     if not followed:
         return "none"
     if events:
         return "reports"
     if not consumer:
         return "none"
-    return "claims" if tp_size == 1 else "reports"
+    return "claims" if tp_size == 1 and in_process else "reports"
+
+
+def _worker_in_scheduler_process(vllm_config: Any) -> bool:
+    """Whether vLLM runs the worker in the scheduler's process: its uniprocess executor (and the external
+    launcher's, one of them). Why it matters: vLLM's CPU platform turns ``uni`` into ``mp`` whenever
+    engine multiprocessing is on (``vllm serve``'s default), so one rank alone does not say it."""
+    backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
+    if isinstance(backend, type):
+        try:
+            from vllm.v1.executor.uniproc_executor import UniProcExecutor
+        except ImportError:
+            return False
+        return issubclass(backend, UniProcExecutor)
+    return backend in ("uni", "external_launcher")
 
 
 def _kv_events_on(vllm_config: Any) -> bool:
@@ -172,9 +187,10 @@ class AsyncConnKVConnector(
         if source is not None:  # what vLLM's get_external_cache_hit_sources counts our hits under
             self._cache_hit_source = source
         # How the scheduler follows the workers' host tiers is chosen here, once (``_tier_mode``): not at
-        # all (no tier, pipeline parallelism); one rank without KV events, the scheduler claims in its
-        # worker's tier, registered under ``_tier_name``; several ranks, or KV events on, the workers report
-        # their tiers and the scheduler mirrors them (hits counted as ``host``, the tiers' own events).
+        # all (no tier, pipeline parallelism); one rank in the scheduler's process without KV events, the
+        # scheduler claims in its worker's tier, registered under ``_tier_name``; several ranks, a worker
+        # process of its own, or KV events on, the workers report their tiers and the scheduler mirrors
+        # them (hits counted as ``host``, the tiers' own events).
         self._tier_name = f"{config.engine_id}/{keys.namespace.hex()}"
         # Which residencies vLLM's KV events carry (``kv_events``): the store's, the host tiers', or both.
         scope = self.settings.kv_events if _kv_events_on(vllm_config) and config.is_kv_producer else "none"
@@ -182,7 +198,10 @@ class AsyncConnKVConnector(
         stages = _pipeline_size(vllm_config)
         self._tier_followed = self.settings.host_cache_bytes > 0 and stages == 1
         self._tier_events = self._tier_followed and scope in ("all", "host")
-        self._tier_mode = _tier_mode(self._tier_followed, self._tier_events, config.is_kv_consumer, tp_size)
+        self._in_process = _worker_in_scheduler_process(vllm_config)
+        self._tier_mode = _tier_mode(
+            self._tier_followed, self._tier_events, config.is_kv_consumer, tp_size, self._in_process
+        )
         if role == KVConnectorRole.SCHEDULER:
             lookup = None
             if config.is_kv_consumer:
@@ -324,7 +343,9 @@ class AsyncConnKVConnector(
         """Override the TP size (and a worker's rank) where vLLM's TP group is not set up (simulators)."""
         self._identity = dataclasses.replace(self._identity, tp_size=tp_size)
         consumer = self._kv_transfer_config.is_kv_consumer
-        self._tier_mode = _tier_mode(self._tier_followed, self._tier_events, consumer, tp_size)
+        self._tier_mode = _tier_mode(
+            self._tier_followed, self._tier_events, consumer, tp_size, self._in_process
+        )
         parts = ValueParts.of(KeySpace(self._identity, self.settings.key_prefix), self._groups)
         keys = parts.keys[0]
         if self._scheduler is not None:

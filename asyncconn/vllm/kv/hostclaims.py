@@ -6,16 +6,17 @@ thread, right after ``update_state_after_alloc`` planned the load and before any
 answer then. The host tier (``host_cache_bytes``) lives in the worker. So the answer can only be exact if
 the scheduler can both see the tier and make it keep what it saw until the load has read it:
 
-- where the engine has one worker and it runs in the scheduler's process (one rank: vLLM's uniprocess
-  executor, what ``vllm serve`` and ``LLM`` use without tensor or pipeline parallelism), the worker
-  registers its tier here under its engine's id and key namespace, and the scheduler finds it;
+- where the engine has one worker and it runs in the scheduler's process (one rank and vLLM's uniprocess
+  executor: ``vllm serve`` and ``LLM`` on one GPU; on CPU only without engine multiprocessing, since vLLM's
+  CPU platform otherwise runs even one worker in a process of its own), the worker registers its tier
+  here under its engine's id and key namespace, and the scheduler finds it;
 - the scheduler *claims* the values of a load it plans (:meth:`HostTier.lru.claim`: pinned, never evicted
   nor replaced in memory) and counts the tokens of the values whose every part it claimed as ``host``; the
   claims are released when the load has ended (``finished_recving``), the request is preempted or
   finishes, or the scheduler closes;
-- several ranks (each has its own tier, in its own process), or KV events on (the tiers' events need
-  their reports), use :mod:`asyncconn.vllm.kv.tiernews` instead; no tier, or a value not in the tier:
-  counted under the store's own source.
+- several ranks (each has its own tier, in its own process), a worker in a process of its own, or KV
+  events on (the tiers' events need their reports), use :mod:`asyncconn.vllm.kv.tiernews` instead; no
+  tier, or a value not in the tier: counted under the store's own source.
 
 A claimed value can still leave the tier for one reason: a delete (a damaged value found by a load). The
 load then reads the store, and those tokens were counted as ``host``; the load fails its frame check anyway.

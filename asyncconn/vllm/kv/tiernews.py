@@ -1,8 +1,9 @@
 """Host-tier hits counted as ``host`` on an engine of several ranks: each worker's tier tells the scheduler
 what it holds, and keeps what it told until the scheduler has seen it go.
 
-With several ranks each worker's tier lives in its own process, out of the scheduler's reach (one rank:
-:mod:`asyncconn.vllm.kv.hostclaims`, unless KV events are on: the tiers' events,
+With several ranks each worker's tier lives in its own process, out of the scheduler's reach -- as does one
+rank's where vLLM runs its worker apart (its CPU platform under ``vllm serve``) -- (one rank in the
+scheduler's process: :mod:`asyncconn.vllm.kv.hostclaims`, unless KV events are on: the tiers' events,
 :mod:`asyncconn.vllm.kv.tierevents`, are built from these reports, at any number of ranks). vLLM asks
 where a request's external tokens come from on the scheduler thread when it admits the request, and
 records the answer then; so the scheduler must know at that moment which values every rank's tier will

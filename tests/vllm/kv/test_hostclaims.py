@@ -174,3 +174,25 @@ def test_the_connector_splits_a_hit_between_host_and_the_stores_source() -> None
     assert sources(64, 64) == {CacheHitSource.HOST: 64}
     assert sources(0, 64) == {CacheHitSource.DISK: 64}
     assert sources(80, 64) == {CacheHitSource.HOST: 64}  # never more than vLLM granted
+
+
+def test_claims_only_where_the_worker_runs_in_the_schedulers_process() -> None:
+    """vLLM's CPU platform turns ``uni`` into ``mp`` under ``vllm serve``: one rank in a worker process of its
+    own must report its tier (claims in the scheduler's process would find none and count nothing)."""
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher, UniProcExecutor
+
+    from asyncconn.vllm.kv.connector import _tier_mode, _worker_in_scheduler_process
+
+    def in_process(backend: Any) -> bool:
+        config = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend))
+        return _worker_in_scheduler_process(config)
+
+    assert in_process("uni") and in_process("external_launcher") and in_process(ExecutorWithExternalLauncher)
+    assert in_process(UniProcExecutor)
+    assert not in_process("mp") and not in_process("ray") and not in_process(None) and not in_process(object)
+    assert _tier_mode(True, False, True, 1, True) == "claims"
+    assert _tier_mode(True, False, True, 1, False) == "reports"
+    assert _tier_mode(True, False, True, 2, True) == "reports"
+    assert _tier_mode(True, True, True, 1, True) == "reports"  # KV events: the tiers' events need reports
+    assert _tier_mode(False, False, True, 1, True) == "none"
+    assert _tier_mode(True, False, False, 1, False) == "none"  # a producer only: nothing is loaded
