@@ -185,6 +185,9 @@ def build_vllm_config(
     if ec is not None and config.ec_transfer_config is not None:
         config.ec_transfer_config.ec_role = cast(Any, ec.role)
     config.cache_config.num_gpu_blocks = shape.num_blocks
+    # The simulator runs its workers in this process, as vLLM's uniprocess executor does (vLLM's CPU
+    # platform turned it into "mp", which the connectors read as workers in processes of their own).
+    config.parallel_config.distributed_executor_backend = "uni"
     return config
 
 
