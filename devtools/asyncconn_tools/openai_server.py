@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -212,6 +212,22 @@ class OpenAIServer:
     def signal(self, signum: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signum)
+
+    @contextlib.contextmanager
+    def running(self, start_timeout: float = 300.0, stop_timeout: float = 30.0) -> Iterator[OpenAIServer]:
+        """Start and wait until ready; on leaving, stop and kill every process of the tree seen at the start
+        or now, whatever failed (a test never leaves a server process to the next one)."""
+        tree: set[int] = set()
+        try:
+            self.start(timeout=start_timeout)
+            tree = self.tree()
+            yield self
+        finally:
+            self.stop(timeout=stop_timeout)
+            for pid in tree | self.tree():
+                if alive(pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM, wait up to ``timeout``, then SIGKILL whatever of the tree is left; the exit status."""

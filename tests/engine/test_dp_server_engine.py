@@ -19,10 +19,7 @@ the connector did not start inside a DP engine.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from asyncconn_tools.openai_server import OpenAIServer, alive
+from asyncconn_tools.openai_server import OpenAIServer
 from tests.engine.kvcase import PROMPTS
 from tests.servers import RedisServer
 
@@ -60,17 +57,8 @@ def server(
         extra_args=["--data-parallel-size", "2", "--no-enable-prefix-caching"],
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
-    tree: set[int] = set()
-    try:
-        server.start(timeout=240)
-        tree = server.tree()
+    with server.running(start_timeout=240, stop_timeout=30):
         yield server
-    finally:
-        server.stop(timeout=30)
-        for pid in tree | server.tree():  # never leave a server process to the next test, whatever failed
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
 
 
 def _complete(server: OpenAIServer, rank: int) -> list[str]:

@@ -22,7 +22,6 @@ for both: the SIGTERM test ends the server, so it runs last.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -93,17 +92,8 @@ def server(
         ],
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
-    tree: set[int] = set()
-    try:
-        server.start(timeout=240)
-        tree = server.tree()
+    with server.running(start_timeout=240, stop_timeout=30):
         yield server
-    finally:
-        server.stop(timeout=30)
-        for pid in tree | server.tree():  # never leave a server process to the next test, whatever failed
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
 
 
 def _post(base: str, path: str, body: dict[str, Any]) -> Any:

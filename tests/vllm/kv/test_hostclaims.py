@@ -22,30 +22,13 @@ from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from tests.lookup.fakes import FakeTransport, noop, wait_until
+from tests.vllm.kv.scheduling import HASHES, allocated, fake_request, received
 
 pytestmark = pytest.mark.interface
 
 IDENTITY = KVIdentity("m", "", "float16", "default", 16, 2, 8, ("l0",), 1, 1)
 KEYS = KeySpace(IDENTITY)
-HASHES = [bytes([i]) * 32 for i in range(8)]
 VALUE = 1000  # bytes per stored value
-
-
-def _request(rid: str, num_tokens: int = 100) -> Any:
-    return SimpleNamespace(request_id=rid, block_hashes=HASHES[: num_tokens // 16], num_tokens=num_tokens)
-
-
-def _blocks(ids: list[int]) -> Any:
-    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
-
-
-def _received(*rids: str) -> Any:
-    return SimpleNamespace(
-        finished_recving=set(rids),
-        finished_sending=None,
-        invalid_block_ids=None,
-        kv_connector_worker_meta=None,
-    )
 
 
 def _key(value: int) -> str:
@@ -67,9 +50,9 @@ class Setup:
     def hold(self, *values: int) -> None:
         self.rt.run(self.tier.put([(_key(v), [bytes([v]) * VALUE]) for v in values]))
 
-    def plan(self, rid: str, hit: int, blocks: list[int]) -> int:
+    def plan(self, rid: str, hit: int, block_ids: list[int]) -> int:
         """Look ``rid`` up (the store answers ``hit`` values), plan its load: the tokens counted as host."""
-        request = _request(rid)
+        request = fake_request(rid)
         assert self.side.get_num_new_matched_tokens(request, 0) == (None, False)
         wait_until(lambda: bool(self.transport.pending))
         for wid in list(self.transport.pending):
@@ -77,7 +60,7 @@ class Setup:
         self.rt.run(noop())
         tokens, load_async = self.side.get_num_new_matched_tokens(request, 0)
         assert tokens == hit * 16 and load_async
-        self.side.update_state_after_alloc(request, _blocks(blocks), hit * 16)
+        self.side.update_state_after_alloc(request, allocated(block_ids), hit * 16)
         return self.side.host_tokens(rid)
 
 
@@ -101,7 +84,7 @@ def test_a_planned_loads_tier_values_are_counted_kept_and_released_when_received
     assert lru.claims == 1 and lru.stats.pinned == 3
     setup.hold(5, 6)  # the tier is full of claimed values: the new ones are not kept, none evicted
     assert all(_key(v) in lru for v in (0, 1, 2)) and lru.stats.evictions == 0
-    setup.side.update_connector_output(_received("r"))
+    setup.side.update_connector_output(received("r"))
     assert lru.claims == 0 and lru.stats.pinned == 0
     assert setup.side.held()["host_claims"] == 0 and setup.side.held()["host_tokens"] == 0
     setup.hold(5, 6)  # now they are kept, evicting unclaimed values
@@ -126,7 +109,7 @@ def test_claims_end_with_preemption_and_with_the_request(setup: Setup) -> None:
     )
     setup.side.build_connector_meta(so)
     assert setup.tier.lru.claims == 1
-    setup.side.request_finished(_request("f"))
+    setup.side.request_finished(fake_request("f"))
     assert setup.tier.lru.claims == 0 and setup.tier.lru.stats.pinned == 0
     held = setup.side.held()
     assert held["host_claims"] == 0 and held["host_tokens"] == 0
@@ -168,7 +151,7 @@ def test_the_connector_splits_a_hit_between_host_and_the_stores_source() -> None
             scheduler_side=SimpleNamespace(host_tokens=lambda rid: host, local_store_tokens=lambda rid: 0),
             _cache_hit_source=CacheHitSource.DISK,
         )
-        return AsyncConnKVConnector.get_external_cache_hit_sources(fake, _request("r"), n)  # type: ignore[arg-type]
+        return AsyncConnKVConnector.get_external_cache_hit_sources(fake, fake_request("r"), n)  # type: ignore[arg-type]
 
     assert sources(48, 64) == {CacheHitSource.HOST: 48, CacheHitSource.DISK: 16}
     assert sources(64, 64) == {CacheHitSource.HOST: 64}

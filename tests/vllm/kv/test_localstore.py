@@ -19,31 +19,9 @@ from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.localstore import LocalStoreHits
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from tests.lookup.fakes import FakeTransport, noop, wait_until
+from tests.vllm.kv.scheduling import allocated, fake_request, step_output
 
 pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
-
-HASHES = [bytes([i]) * 32 for i in range(8)]
-
-
-def _request(rid: str, num_tokens: int = 100) -> Any:
-    return SimpleNamespace(request_id=rid, block_hashes=HASHES[: num_tokens // 16], num_tokens=num_tokens)
-
-
-def _blocks(ids: list[int]) -> Any:
-    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
-
-
-def _output(preempted: frozenset[str] = frozenset(), finished: frozenset[str] = frozenset()) -> Any:
-    cached = SimpleNamespace(
-        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[], new_token_ids=[]
-    )
-    return SimpleNamespace(
-        preempted_req_ids=set(preempted),
-        finished_req_ids=set(finished),
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens={},
-    )
 
 
 @dataclass
@@ -97,7 +75,7 @@ def h(runtime: Any) -> Iterator[Harness]:
 
 
 def test_the_planned_values_the_local_store_holds_are_counted_as_disk(h: Harness) -> None:
-    request = _request("r")
+    request = fake_request("r")
     assert h.side.get_num_new_matched_tokens(request, 0) == (None, False)
     wait_until(lambda: bool(h.local.pending))
     (asked,) = h.local.pending.values()
@@ -106,46 +84,46 @@ def test_the_planned_values_the_local_store_holds_are_counted_as_disk(h: Harness
     assert h.side.get_num_new_matched_tokens(request, 16) == (None, False)  # the local answer is not in yet
     h.answer(h.local, (True, True, False, True, True, False))
     assert h.side.get_num_new_matched_tokens(request, 16) == (80, True)
-    h.side.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5, 6, 7]), 80)
+    h.side.update_state_after_alloc(request, allocated([1, 2, 3, 4, 5, 6, 7]), 80)
     # Values 1-5 are loaded (value 0 is a local hit of vLLM's); the local store holds 1, 3 and 4.
     assert h.side.local_store_tokens("r") == 48
     assert h.side.local_store_tokens("r") == 0  # asked once
-    h.side.build_connector_meta(_output(finished=frozenset({"r"})))
+    h.side.build_connector_meta(step_output(finished=frozenset({"r"})))
     assert not any(h.side.held().values())
 
 
 def test_a_value_is_on_the_local_disk_only_when_every_ranks_key_is(runtime: Any) -> None:
     h = _harness(runtime, tp=2)
     try:
-        request = _request("r", 50)  # 3 values of 2 keys each (one per rank), all usable
+        request = fake_request("r", 50)  # 3 values of 2 keys each (one per rank), all usable
         h.side.get_num_new_matched_tokens(request, 0)
         h.answer(h.shared, 6)
         h.answer(h.local, (True, True, True, False, True, True))  # rank 1's key of value 1 is missing
         assert h.side.get_num_new_matched_tokens(request, 0) == (48, True)
-        h.side.update_state_after_alloc(request, _blocks([1, 2, 3]), 48)
+        h.side.update_state_after_alloc(request, allocated([1, 2, 3]), 48)
         assert h.side.local_store_tokens("r") == 32  # values 0 and 2
     finally:
         h.side.close()
 
 
 def test_a_local_store_that_fails_counts_nothing_and_holds_up_nothing(h: Harness) -> None:
-    request = _request("f")
+    request = fake_request("f")
     h.side.get_num_new_matched_tokens(request, 0)
     h.fail(h.local)  # the local store failed (or its lookup timed out): nothing held
     h.answer(h.shared, 4)
     assert h.side.get_num_new_matched_tokens(request, 0) == (64, True)
-    h.side.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5, 6, 7]), 64)
+    h.side.update_state_after_alloc(request, allocated([1, 2, 3, 4, 5, 6, 7]), 64)
     assert h.side.local_store_tokens("f") == 0
-    h.side.build_connector_meta(_output(finished=frozenset({"f"})))
+    h.side.build_connector_meta(step_output(finished=frozenset({"f"})))
     assert not any(h.side.held().values())
 
 
 def test_preemption_and_finish_drop_the_local_question(h: Harness) -> None:
-    preempted, finished = _request("p"), _request("q")
+    preempted, finished = fake_request("p"), fake_request("q")
     for request in (preempted, finished):
         h.side.get_num_new_matched_tokens(request, 0)
     wait_until(lambda: len(h.local.pending) == 2)
-    h.side.build_connector_meta(_output(preempted=frozenset({"p"}), finished=frozenset({"q"})))
+    h.side.build_connector_meta(step_output(preempted=frozenset({"p"}), finished=frozenset({"q"})))
     # Both questions to each store discarded: the loop drops them in flight (never served).
     wait_until(lambda: not any(h.side.held().values()))
     assert h.side.local_store is not None and h.side.local_store.lookup.metrics.discards == 2
@@ -161,7 +139,7 @@ def test_the_connector_splits_a_hit_between_host_disk_and_the_stores_source() ->
             ),
             _cache_hit_source=CacheHitSource.EXTERNAL_UNSPECIFIED,
         )
-        return AsyncConnKVConnector.get_external_cache_hit_sources(fake, _request("r"), n)  # type: ignore[arg-type]
+        return AsyncConnKVConnector.get_external_cache_hit_sources(fake, fake_request("r"), n)  # type: ignore[arg-type]
 
     ext, disk, host = CacheHitSource.EXTERNAL_UNSPECIFIED, CacheHitSource.DISK, CacheHitSource.HOST
     assert sources(0, 48, 64) == {disk: 48, ext: 16}
@@ -172,10 +150,10 @@ def test_the_connector_splits_a_hit_between_host_disk_and_the_stores_source() ->
 
 
 def test_an_admitted_request_with_nothing_to_load_drops_its_local_question(h: Harness) -> None:
-    request = _request("n")
+    request = fake_request("n")
     h.side.get_num_new_matched_tokens(request, 0)
     h.answer(h.shared, 0)  # a miss: nothing waits for the local answer
     assert h.side.get_num_new_matched_tokens(request, 0) == (0, False)
-    h.side.update_state_after_alloc(request, _blocks([1, 2, 3, 4, 5, 6, 7]), 0)
+    h.side.update_state_after_alloc(request, allocated([1, 2, 3, 4, 5, 6, 7]), 0)
     wait_until(lambda: not any(v for k, v in h.side.held().items() if k != "requests"))
     assert h.side.local_store_tokens("n") == 0
