@@ -27,7 +27,8 @@ from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from asyncconn.vllm.kv.worker import KVWorkerSide
 from asyncconn.vllm.prom import EC_COUNTERS, EC_GAUGES, ec_prom_metrics, kv_prom_metrics
 from tests.lookup.fakes import FakeTransport, wait_until
-from tests.vllm.kv.test_scheduler import IDENTITY, _request
+from tests.vllm.kv.scheduling import fake_request
+from tests.vllm.kv.test_scheduler import IDENTITY
 from tests.vllm.kv.test_worker_loads import _worker
 
 pytestmark = pytest.mark.interface
@@ -100,7 +101,7 @@ def test_kv_scheduler_counts_lookup_timeouts_and_the_line_quotes_the_counter(
     try:
         with caplog.at_level(logging.WARNING, logger="asyncconn.lookup.client"):
             for rid in ("a", "b", "c"):
-                assert side.get_num_new_matched_tokens(_request(rid), 0) == (None, False)
+                assert side.get_num_new_matched_tokens(fake_request(rid), 0) == (None, False)
             wait_until(lambda: client.metrics.timeouts == 3)
         stats = side.stats()
         assert stats is not None and stats.data["lookup_timeouts"] == 3
