@@ -66,13 +66,13 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
-def _host_tokens(llm: Any) -> int:
-    """``vllm:prompt_tokens_cached_by_source{source="host"}`` so far."""
+def _source_tokens(llm: Any, source: str) -> int:
+    """``vllm:prompt_tokens_cached_by_source{source=...}`` so far."""
     return int(
         sum(
             getattr(m, "value", 0)
             for m in llm.get_metrics()
-            if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") == "host"
+            if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") == source
         )
     )
 
@@ -100,10 +100,11 @@ def tiers_bench(
     local_hits = 0
     local_expected = 0
     host_counted = 0  # warm-pass tokens vLLM's prompt_tokens_cached_by_source put under "host"
+    disk_counted = 0  # local-store warm-pass tokens it put under "disk"
     local_dirs = iter(range(1 << 20))
 
     def run(make: Callable[[], Any], passes: list[str], tiered: bool) -> None:
-        nonlocal tier_peak, tier_hits, expected_hits, local_hits, local_expected, host_counted
+        nonlocal tier_peak, tier_hits, expected_hits, local_hits, local_expected, host_counted, disk_counted
         _reset_peak_rss()
         llm = make_llm(model, kv=make(), **engine_args)
         probe = Probe(llm)
@@ -118,7 +119,7 @@ def tiers_bench(
                     if not llm.reset_prefix_cache():
                         raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
                 hits_before = tier.stats.hits if tier is not None else 0
-                host_before = _host_tokens(llm)
+                host_before, disk_before = _source_tokens(llm, "host"), _source_tokens(llm, "disk")
                 local_before = layered.stats.local_hits if layered is not None else 0
                 timed = []
                 for text in texts:
@@ -131,10 +132,11 @@ def tiers_bench(
                 this_run.setdefault(name, []).extend(timed)
                 if tier is not None and name == _WARM:
                     tier_hits += tier.stats.hits - hits_before
-                    host_counted += _host_tokens(llm) - host_before
+                    host_counted += _source_tokens(llm, "host") - host_before
                     expected_hits += len(texts) * (tokens // 32)
                 if layered is not None and name == _LOCAL_WARM:
                     local_hits += layered.stats.local_hits - local_before
+                    disk_counted += _source_tokens(llm, "disk") - disk_before
                     local_expected += len(texts) * (tokens // 32)
                 _say(f"{name}: TTFT {[round(x, 3) for x in timed]} s")
             probe.settle(timeout=300)
@@ -185,6 +187,9 @@ def tiers_bench(
     )
     figures["warm passes: tokens vLLM counted as source=host / tokens loaded"] = (
         f"{host_counted} / {expected_hits * 32}"
+    )
+    figures["warm passes: tokens vLLM counted as source=disk (local store) / tokens loaded"] = (
+        f"{disk_counted} / {local_expected * 32}"
     )
     figures["host tier bytes, most seen / bound"] = f"{tier_peak} / {host_cache_bytes}"
     for name, values in peak_rss.items():
