@@ -91,9 +91,15 @@ from asyncconn.transfer.saves_events import EventSaves
 from asyncconn.transfer.saves_thread import ThreadSaves
 from asyncconn.transfer.staging import Save, Source
 
-__all__ = ["SaveTracker", "ShutdownReport"]
+__all__ = ["CLOSE_CANCEL_S", "SaveTracker", "ShutdownReport"]
 
 log = logging.getLogger(__name__)
+
+#: How long :meth:`SaveTracker.close` waits, after its grace period, for the cancelled saves to hand their
+#: buffers back and for the copy thread to stop. Cancelling runs on the loop and takes milliseconds; the
+#: bound is for a put stuck in a thread it cannot interrupt, which must not hold a shutdown (vLLM kills a
+#: worker that has not exited after its own grace period, ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``).
+CLOSE_CANCEL_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,7 +451,8 @@ class SaveTracker:
     poll_finished = renamed_method("poll_finished", "poll")
 
     def close(self, timeout: float = 5.0) -> ShutdownReport:
-        """Let running saves finish for up to ``timeout``, then cancel the rest and return their buffers.
+        """Let running saves finish for up to ``timeout``, then cancel the rest and return their buffers
+        (for up to ``CLOSE_CANCEL_S`` more: the whole close stays within ``timeout`` plus that).
 
         Copies already posted still run (their puts are not started once the grace period is over); the
         copy thread is joined last. Returns how many saves were in flight and how many of them were
@@ -460,7 +467,7 @@ class SaveTracker:
         self._progress()
         report = ShutdownReport(in_flight, sum(request.pending for request in self._requests.values()))
         self._mode.cancel()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + min(timeout, CLOSE_CANCEL_S)
         for save in self._queued:
             self._complete(save, Failure.STORE_ERROR, "tracker closed before the save started")
         self._queued.clear()
@@ -478,7 +485,7 @@ class SaveTracker:
             time.sleep(0.001)
         self._finished.clear()
         self._requests.clear()
-        if not self._mode.close(max(deadline - time.monotonic(), 0.1)):
+        if not self._mode.close(max(deadline - time.monotonic(), 0.05)):
             log.warning("SaveTracker.close: the copy thread is still running a job")
         if self.buffers_out:
             log.warning(

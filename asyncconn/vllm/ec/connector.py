@@ -39,6 +39,7 @@ from asyncconn.vllm.ec.scheduler import ECSchedulerSide
 from asyncconn.vllm.ec.worker import ECWorkerSide
 from asyncconn.vllm.logs import follow_vllm_logging, log_start
 from asyncconn.vllm.roles import RoleSides
+from asyncconn.vllm.shutdown import worker_close_budget
 from asyncconn.vllm.totals import store_totals
 
 __all__ = ["AsyncConnECConnector", "AsyncConnECStats"]
@@ -196,4 +197,4 @@ class AsyncConnECConnector(
         if self._scheduler is not None:
             self._scheduler.close()
         if self._worker is not None:
-            self._worker.close()
+            self._worker.close(worker_close_budget())

@@ -32,6 +32,7 @@ import uuid
 import torch
 
 from asyncconn.config import Settings
+from asyncconn.deadline import STORE_CLOSE_FLOOR_S, Deadline
 from asyncconn.lookup.protocol import store_key
 from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import TensorStore
@@ -309,22 +310,24 @@ class ECWorkerSide:
         return out
 
     def close(self, timeout: float = 5.0) -> None:
-        """Cancel prefetches, let saves finish (bounded), close the engines and the store. Safe twice."""
+        """Cancel prefetches, let saves finish, close the engines and the store, all within ``timeout`` (plus
+        the saver's cancel bound, ``CLOSE_CANCEL_S``, and a last try at closing the store). Safe twice."""
         if self._closed:
             return
         self._closed = True
+        deadline = Deadline(timeout)
         if self.loader is not None:
             for key in list(self._loading):
                 self.loader.cancel(key)
             self._loading.clear()
             self._staged.clear()
-            self.loader.close(timeout)
+            self.loader.close(deadline.left())
         if self.saver is not None:
-            self.saver.close(timeout).log(
+            self.saver.close(deadline.left()).log(
                 log, "EC connector", timeout, "those items are encoded again on their next request"
             )
         if self._owns_store and not self.runtime.closed:
             try:
-                self.runtime.run(self.store.close(), timeout)
+                self.runtime.run(self.store.close(), deadline.left(STORE_CLOSE_FLOOR_S))
             except Exception:  # shutting down: a store that fails to close must not mask the caller's path
                 log.warning("EC worker: closing the store failed", exc_info=True)

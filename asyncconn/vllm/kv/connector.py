@@ -64,6 +64,7 @@ from asyncconn.vllm.kv.tiernews import TierMirror, WorkerTierNews
 from asyncconn.vllm.kv.worker import KVWorkerSide
 from asyncconn.vllm.logs import follow_vllm_logging, log_start
 from asyncconn.vllm.roles import RoleSides
+from asyncconn.vllm.shutdown import worker_close_budget
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -470,7 +471,7 @@ class AsyncConnKVConnector(
             tier = self._worker.store.host_tier
             if tier is not None:
                 unregister_tier(self._tier_name, tier)
-            self._worker.close()
+            self._worker.close(worker_close_budget())
         if self._scheduler is not None:
             self._scheduler.close()
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from asyncconn.deadline import STORE_CLOSE_FLOOR_S, Deadline
 from asyncconn.exceptions import AsyncConnError, ConfigError
 from asyncconn.runtime import Runtime
 from asyncconn.scattered import Scattered
@@ -644,17 +645,19 @@ class KVWorkerSide:
         return out
 
     def close(self, timeout: float = 5.0) -> None:
-        """Cancel loads, let saves finish (bounded), close the engines and the store. Safe twice."""
+        """Cancel loads, let saves finish, close the engines and the store, all within ``timeout`` (plus the
+        saver's cancel bound, ``CLOSE_CANCEL_S``, and a last try at closing the store). Safe twice."""
         if self._closed:
             return
         self._closed = True
+        deadline = Deadline(timeout)
         backend: Any = self.store.backend
         if self.events is not None and getattr(backend, "on_removed", None) == self.report_removed:
             backend.on_removed = None  # the backend must not reach into a closed worker
-        self.loader.close(timeout)
+        self.loader.close(deadline.left())
         if self.tier_news is not None:
             self.tier_news.close()
-        self.saver.close(timeout).log(
+        self.saver.close(deadline.left()).log(
             log, "KV connector", timeout, "those prompts are computed again on their next request"
         )
         self._fetches.clear()
@@ -666,7 +669,7 @@ class KVWorkerSide:
         self._sync_failed = False
         if not self.runtime.closed:
             try:
-                self.runtime.run(self.store.close(), timeout=timeout)
+                self.runtime.run(self.store.close(), timeout=deadline.left(STORE_CLOSE_FLOOR_S))
             except (
                 AsyncConnError,
                 concurrent.futures.TimeoutError,

@@ -658,3 +658,47 @@ def test_over_a_host_tier_only_values_the_tier_holds_are_read_in_place(runtime: 
     assert tier.stats.hits == 4
     worker.close()
     assert not any(worker.held().values()), worker.held()
+
+
+def test_a_worker_close_keeps_to_one_deadline_whatever_hangs(runtime: Runtime) -> None:
+    """vLLM terminates a worker that has not exited within its grace: the close's steps (cancel loads, let
+    saves finish, close the store) share one deadline, whatever each of them waits for. Here the store
+    hangs on every put and on its close: the close takes its timeout and the bounded last steps, not a
+    timeout per step; the save it gave up is counted as failed."""
+    from asyncconn.deadline import STORE_CLOSE_FLOOR_S
+    from asyncconn.transfer import Failure
+    from asyncconn.transfer.saver import CLOSE_CANCEL_S
+    from asyncconn.vllm.shutdown import worker_close_budget
+    from tests.transfer.fakes import GatedBackend
+
+    class HungClose(GatedBackend):
+        async def close(self) -> None:
+            await self.gate.wait()
+
+    backend = HungClose()  # its gate stays shut: puts and close hang
+    identity = KVIdentity("worker-close", "", "float32", "default", 16, 2, 8, tuple(LAYERS), 1, 1)
+    store = TensorStore(backend, name="hung")
+    pool = PinnedPool(8 << 20)
+    worker = KVWorkerSide(
+        KeySpace(identity),
+        store=store,
+        loader=StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=pool),
+        saver=SaveTracker(store, runtime=runtime, device=CpuDevice(), pool=pool),
+        runtime=runtime,
+        layers=LAYERS,
+        group_of_layer=dict.fromkeys(LAYERS, 0),
+        num_blocks=NUM_BLOCKS,
+    )
+    worker.saver.submit("r", "k", torch.zeros(256))
+    worker.saver.flush()
+    assert backend.entered.wait(5)  # the put is hung in the store
+    timeout = 1.0
+    started = time.monotonic()
+    worker.close(timeout)
+    took = time.monotonic() - started
+    assert took < timeout + CLOSE_CANCEL_S + STORE_CLOSE_FLOOR_S + 0.5, took  # one timeout, not three
+    assert worker.saver.failures[Failure.STORE_ERROR] == 1
+    assert pool.buffers_out == 0
+    runtime.call_soon(backend.gate.set)
+    # What the facade gives it: vLLM's grace (5 s unless VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) less a margin.
+    assert 1.0 <= worker_close_budget() < 5.0
