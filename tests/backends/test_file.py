@@ -378,14 +378,19 @@ async def test_a_batch_is_shared_by_the_read_threads_value_by_value(tmp_path: Pa
     values = [os.urandom(4096 + i) for i in range(24)]
     await backend.put([(f"v{i}", v) for i, v in enumerate(values)])
     readers: list[str] = []
+    # The helper waits at its first value until the pool thread has taken one: on a busy box the pool
+    # thread, descheduled right after starting its helper, could otherwise find every value taken.
+    pool_started = threading.Event()
 
     def sink_of(i: int):  # type: ignore[no-untyped-def]
         def sink(piece: memoryview) -> None:
             name = threading.current_thread().name
             if piece.nbytes and not name.startswith("asyncconn-file-aux"):
                 readers.append("pool")
+                pool_started.set()
                 time.sleep(0.02)  # the pool thread is the slow one
             elif piece.nbytes:
+                pool_started.wait(5)
                 readers.append("helper")
 
         return sink
