@@ -499,8 +499,8 @@ class AsyncConnKVConnector(
         if host:
             sources[_hit_source("host")] = host
         if disk:
-            sources[_hit_source("disk")] = sources.get(_hit_source("disk"), 0) + disk
-        if external > host + disk:
+            sources[_hit_source("disk")] = disk
+        if external > host + disk:  # (a file:// shared store's source is ``disk`` too: added up)
             rest = self._cache_hit_source
             sources[rest] = sources.get(rest, 0) + external - host - disk
         return sources

@@ -132,12 +132,12 @@ def test_preemption_and_finish_drop_the_local_question(h: Harness) -> None:
 def test_the_connector_splits_a_hit_between_host_disk_and_the_stores_source() -> None:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    def sources(host: int, local: int, n: int) -> dict[Any, int]:
+    def sources(host: int, local: int, n: int, store: Any = None) -> dict[Any, int]:
         fake = SimpleNamespace(
             scheduler_side=SimpleNamespace(
                 host_tokens=lambda rid: host, local_store_tokens=lambda rid: local
             ),
-            _cache_hit_source=CacheHitSource.EXTERNAL_UNSPECIFIED,
+            _cache_hit_source=store or CacheHitSource.EXTERNAL_UNSPECIFIED,
         )
         return AsyncConnKVConnector.get_external_cache_hit_sources(fake, fake_request("r"), n)  # type: ignore[arg-type]
 
@@ -147,6 +147,7 @@ def test_the_connector_splits_a_hit_between_host_disk_and_the_stores_source() ->
     assert sources(32, 16, 64) == {host: 32, ext: 32}  # (a tier holding what the local store dropped)
     assert sources(0, 80, 64) == {disk: 64}  # never more than vLLM granted
     assert sources(0, 0, 64) == {ext: 64}
+    assert sources(0, 48, 64, store=disk) == {disk: 64}  # a file:// shared store counts as disk too
 
 
 def test_an_admitted_request_with_nothing_to_load_drops_its_local_question(h: Harness) -> None:
