@@ -188,7 +188,7 @@ class Settings:
         _events_scope,
         "all",
         "KV: with vLLM's KV events on, which residencies this connector publishes: all, store (the shared "
-        "store's), host (the host tier's), none",
+        "store's), host (this host's: the host tier's and the local store's), none",
     )
     lookup_server_key: str | None = _opt(
         _optional_text, None, "CURVE public key of the lookup server (Z85 text or a key/cert file)"

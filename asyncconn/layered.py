@@ -17,7 +17,10 @@ the fleet sees. :class:`LayeredBackend` is a :class:`StorageBackend` made of the
   disk held a value the shared store has since expired would leave every other host missing it for good;
 - ``delete`` removes from both (a corrupt value found on either is gone from both);
 - removals reported (``on_removed``) are the shared store's: the local store's own ``max_bytes`` / ``max_age``
-  sweep drops only this host's copy, never the value.
+  sweep drops only this host's copy, never the value;
+- what the local store holds is told apart, to whoever follows it (``on_local``, on the loop thread; a KV
+  engine publishing this host's residency as KV events): keys it took in or served (``True``: a write of
+  both ended, a fill, a local hit) and keys it let go (``False``: a delete, its own sweep).
 
 A value the local store holds but the shared store has lost is still served when a lookup finds it (the
 lookup asks the shared store, so that happens only between its answer and the read): the bytes are checked
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import ClassVar, TypeVar
 
@@ -46,10 +49,13 @@ from asyncconn.backend import (
 from asyncconn.exceptions import AsyncConnError
 from asyncconn.wrapped import WrappingBackend
 
-__all__ = ["LayeredBackend", "LayeredStats"]
+__all__ = ["LayeredBackend", "LayeredStats", "LocalHook"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Told, on the loop thread, keys the local store holds now (``True``) or no longer holds (``False``).
+LocalHook = Callable[[Sequence[str], bool], None]
 
 
 @dataclass
@@ -84,6 +90,30 @@ class LayeredBackend(WrappingBackend):
         self.stats = LayeredStats()
         self._closed = False
         self._warned = False
+        self._on_local: LocalHook | None = None
+
+    @property
+    def on_local(self) -> LocalHook | None:
+        """Who follows what the local store holds (see the module docstring); None: no one."""
+        return self._on_local
+
+    @on_local.setter
+    def on_local(self, hook: LocalHook | None) -> None:
+        self._on_local = hook
+        # The local store's own removals (its sweep) are this hook's, never the shared store's removals.
+        if hasattr(self.local, "on_removed"):
+            self.local.on_removed = None if hook is None else self._local_removed
+
+    def _local_removed(self, keys: Sequence[str]) -> None:
+        self._tell(keys, False)
+
+    def _tell(self, keys: Sequence[str], held: bool) -> None:
+        hook = self._on_local
+        if hook is not None and keys:
+            try:
+                hook(keys, held)
+            except Exception:  # a follower's bug must not fail a read or a write
+                log.exception("local store: on_local hook failed")
 
     @property
     def removals_from(self) -> StorageBackend:
@@ -98,14 +128,19 @@ class LayeredBackend(WrappingBackend):
         )
         if isinstance(local, BaseException):  # not the local store's own failure (counted there): a bug
             raise local
+        keys = [key for key, _ in items]
         if isinstance(shared, BaseException):
             if local[0]:  # the local store must not keep what the shared one may not have
-                await self._local(self.local.delete([key for key, _ in items]), "delete")
+                await self._local(self.local.delete(keys), "delete")
+                self._tell(keys, False)
             raise shared
+        if local[0]:
+            self._tell(keys, True)
 
     async def delete(self, keys: Sequence[str]) -> int:
         checked_keys(keys)
-        await self._local(self.local.delete(keys), "delete")
+        if (await self._local(self.local.delete(keys), "delete"))[0]:
+            self._tell(keys, False)
         return await self.shared.delete(keys)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -118,6 +153,8 @@ class LayeredBackend(WrappingBackend):
         out: list[Sequence[Buffer] | None] = list(found) if ok and found is not None else [None] * len(keys)
         missing = [i for i, chunks in enumerate(out) if chunks is None]
         self.stats.local_hits += len(keys) - len(missing)
+        if self._on_local is not None and len(missing) < len(keys):
+            self._tell([key for key, chunks in zip(keys, out, strict=True) if chunks is not None], True)
         if missing:
             self.stats.local_misses += len(missing)
             fetched = await self.shared.get([keys[i] for i in missing])
@@ -148,12 +185,17 @@ class LayeredBackend(WrappingBackend):
             ok, got = await self._local(self.local.get_into_many(reads, cached_only=True), "get")
             if not ok or got is None:
                 return [NOT_CACHED] * len(reads)
-            self.stats.local_hits += sum(1 for n in got if n is not None and n != NOT_CACHED)
+            hits = [i for i, n in enumerate(got) if n is not None and n != NOT_CACHED]
+            self.stats.local_hits += len(hits)
+            if self._on_local is not None:
+                self._tell([reads[i][0] for i in hits], True)
             return [NOT_CACHED if n is None else n for n in got]
         ok, local = await self._local(self.local.get_into_many(reads), "get")
         out: list[int | None] = list(local) if ok and local is not None else [None] * len(reads)
         missing = [i for i, length in enumerate(out) if length is None]
         self.stats.local_hits += len(reads) - len(missing)
+        if self._on_local is not None and len(missing) < len(reads):
+            self._tell([read[0] for read, length in zip(reads, out, strict=True) if length is not None], True)
         if missing:
             self.stats.local_misses += len(missing)
             lengths = await self.shared.get_into_many([reads[i] for i in missing])
@@ -170,6 +212,7 @@ class LayeredBackend(WrappingBackend):
         """Write values read from the shared store to the local one (a failure only costs a later read)."""
         if items and (await self._local(self.local.put(items), "put"))[0]:
             self.stats.fills += len(items)
+            self._tell([key for key, _ in items], True)
 
     async def _local(self, call: Awaitable[T], what: str) -> tuple[bool, T | None]:
         """Await a call of the local store: (True, its result), or (False, None) when it failed with a

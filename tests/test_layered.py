@@ -181,3 +181,63 @@ async def test_wrappers_are_not_opened_from_urls_and_report_the_wrapped_stores_r
     with pytest.raises(TypeError, match=r"a HostTier wraps an open backend: HostTier\(backend, capacity\)"):
         await HostTier.from_url(url)
     await tier.close()
+
+
+async def test_what_the_local_store_holds_is_told_to_its_follower(tmp_path: Path) -> None:
+    """``on_local`` (the KV engine's local-store events): a write of both, a fill and a local hit are
+    told as held; a refused write, a delete and the local sweep's removals as let go -- each key told
+    once per change, and what it says matches the directory. A follower that raises fails nothing."""
+    local = FileBackend(tmp_path / "local", max_bytes=6 * 1024, sweep_interval=3600)
+    shared = MemoryBackend()
+    layered = LayeredBackend(local, shared)
+    told: list[tuple[str, bool]] = []
+    layered.on_local = lambda keys, held: told.extend((key, held) for key in keys)
+    assert local.on_removed is not None and shared.on_removed is None  # the sweep's, not the store's
+
+    await layered.put([("a", b"a" * 1024), ("b", b"b" * 1024)])
+    assert told == [("a", True), ("b", True)]
+    await shared.put([("far", b"f" * 1024)])  # another host's save
+    dest = bytearray(1024)
+    told.clear()
+    assert await layered.get_into_many([("far", [memoryview(dest)], None)]) == [1024]  # a fill
+    assert await layered.get_into_many([("a", [memoryview(dest)], None)]) == [1024]  # a local hit
+    got = await layered.get(["b", "nowhere"])
+    assert got[1] is None and got[0] is not None and b"".join(got[0]) == b"b" * 1024
+    assert told == [("far", True), ("a", True), ("b", True)]
+
+    told.clear()
+    await layered.delete(["b"])
+    assert told == [("b", False)]
+
+    class Refusing(MemoryBackend):
+        async def put(self, items: object) -> None:
+            raise BackendUnavailable("shared store down")
+
+    refused = LayeredBackend(FileBackend(tmp_path / "other"), Refusing())
+    heard: list[tuple[str, bool]] = []
+    refused.on_local = lambda keys, held: heard.extend((key, held) for key in keys)
+    with pytest.raises(BackendUnavailable):
+        await refused.put([("k", b"x" * 100)])
+    assert heard == [("k", False)]  # written locally, removed again: never told as held
+    await refused.close()
+
+    # Past max_bytes, the local sweep evicts: each removed key is told as let go, and only those.
+    await layered.put([(f"v{i}", bytes([i]) * 1024) for i in range(8)])
+    told.clear()
+    report = await local.sweep()
+    assert report is not None and report.evicted > 0
+    gone = {key for key, held in told if not held}
+    assert len(gone) == report.evicted and not any(held for _, held in told)
+    keys = ["a", "far", *(f"v{i}" for i in range(8))]
+    on_disk = dict(zip(keys, await local.exists(keys), strict=True))
+    assert gone == {key for key, there in on_disk.items() if not there}
+    assert await shared.exists(sorted(gone)) == [True] * len(gone)  # the value stays in the store
+
+    def broken(keys: object, held: bool) -> None:
+        raise RuntimeError("a follower's bug")
+
+    layered.on_local = broken
+    await layered.put([("c", b"c" * 10)])  # no error
+    layered.on_local = None
+    assert local.on_removed is None
+    await layered.close()

@@ -150,3 +150,57 @@ def test_kv_events_host_publishes_the_tiers_residency_alone(
     }
     assert set(held) == {("CPU", "asyncconn:host"), ("GPU", None)}
     assert held[("CPU", "asyncconn:host")] == want and want <= held[("GPU", None)]
+
+
+def test_a_router_sees_the_local_store_apart_from_the_shared_one(
+    text_model: Path, engines: list[Any], tmp_path: Path
+) -> None:
+    """With a local store (``local_store_url``), the engine publishes the directory's residency too
+    (``STORAGE``, ``asyncconn:local``): a router replaying the events holds exactly the values the
+    directory holds -- after the saves, after the directory's own sweep evicted them (the shared store's
+    residency untouched), and after a load wrote them back."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    events_config, _, replay_port = routers.events_config()
+    kv = kv_config(
+        backend_url=f"file://{tmp_path / 'shared'}", local_store_url=f"file://{tmp_path / 'local'}"
+    )
+    llm = make_llm(text_model, kv=kv, kv_events_config=events_config)
+    engines.append(llm)
+    prompt, other = PROMPTS[0], PROMPTS[1][::-1]  # no shared prefix
+    probe = Probe(llm)
+    worker = probe.kv_worker_connector().worker_side
+    local = worker.store.layered.local
+    block_hashes = probe.block_hashes(prompt)[:FULL_BLOCKS]
+    value_keys = [worker.keys.store_key(h, 0) for h in worker.keys.value_hashes(block_hashes)]
+    want = [maybe_convert_block_hash(h) for h in block_hashes]
+
+    def on_disk() -> set[Any]:  # asked of the directory itself
+        there = worker.runtime.run(local.exists(value_keys))
+        bpv = worker.keys.blocks_per_value
+        return {h for v, held in enumerate(there) if held for h in want[v * bpv : (v + 1) * bpv]}
+
+    def router() -> dict[tuple[Any, Any], set[Any]]:
+        return routers.residency(routers.replayed_batches(replay_port))
+
+    here, shared = ("STORAGE", "asyncconn:local"), ("STORAGE", "asyncconn:file")
+    generate(llm, [prompt])
+    assert_idle(probe)
+    held = router()
+    assert held[here] == on_disk() == set(want) and held[shared] == set(want)
+
+    local.max_bytes = 1  # the directory's sweep evicts everything past its bound
+    report = worker.runtime.run(local.sweep())
+    local.max_bytes = 0
+    assert report is not None and report.evicted >= len(value_keys)
+    generate(llm, [other])  # steps: the worker's report reaches the scheduler
+    assert_idle(probe)
+    held = router()
+    assert held[here] & set(want) == on_disk() == set()
+    assert set(want) <= held[shared]
+
+    assert llm.reset_prefix_cache()  # vLLM's own cache forgets the prompt: it is loaded from the shared
+    generate(llm, [prompt])  # store, and written to the directory again
+    assert_idle(probe)
+    held = router()
+    assert held[here] & set(want) == on_disk() == set(want)

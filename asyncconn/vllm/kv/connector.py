@@ -55,6 +55,7 @@ from asyncconn.vllm.kv.events import KVEvents, SaveReports, tier_of
 from asyncconn.vllm.kv.groups import GroupLayout, check_groups, check_sync_loads
 from asyncconn.vllm.kv.hostclaims import HostClaims, register_tier, unregister_tier
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+from asyncconn.vllm.kv.localevents import LocalMirror, LocalNews, LocalTierEvents
 from asyncconn.vllm.kv.localstore import LocalStoreHits
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.parts import ValueParts
@@ -199,6 +200,11 @@ class AsyncConnKVConnector(
         stages = _pipeline_size(vllm_config)
         self._tier_followed = self.settings.host_cache_bytes > 0 and stages == 1
         self._tier_events = self._tier_followed and scope in ("all", "host")
+        # The local store's residency, also this host's: published with the host tiers' (one stage only,
+        # like them: the scheduler names the first stage's keys alone).
+        self._local_events = (
+            self.settings.local_store_url is not None and stages == 1 and scope in ("all", "host")
+        )
         self._in_process = _worker_in_scheduler_process(vllm_config)
         self._tier_mode = _tier_mode(
             self._tier_followed, self._tier_events, config.is_kv_consumer, tp_size, self._in_process
@@ -215,12 +221,13 @@ class AsyncConnKVConnector(
                 sync_loads=self.settings.kv_sync_loads,
                 events=(
                     KVEvents(keys, self.tier, store=events, stages=stages)
-                    if events or self._tier_events
+                    if events or self._tier_events or self._local_events
                     else None
                 ),
                 parts=parts,
                 local_store=self._local_store_hits(parts) if lookup is not None else None,
             )
+            self._follow_local_store(self._scheduler, parts, tp_size)
             self._follow_tiers(self._scheduler, parts)
             where = _lookups(self.settings, lookup)
             log_start("KV", f"scheduler ({config.kv_role})", self.settings, lookups=where)
@@ -300,6 +307,7 @@ class AsyncConnKVConnector(
             parts=parts,
             num_groups=groups.num_groups,
             tier_news=self._worker_tier(store),
+            local_news=LocalNews() if self._local_events else None,
         )
 
     def _follow_tiers(self, scheduler: KVSchedulerSide, parts: ValueParts) -> None:
@@ -318,6 +326,14 @@ class AsyncConnKVConnector(
             scheduler.host = mirror
             if self._tier_events and scheduler.events is not None:
                 scheduler.tier_events = TierEvents(scheduler.events, mirror)
+
+    def _follow_local_store(self, scheduler: KVSchedulerSide, parts: ValueParts, tp_size: int) -> None:
+        """The local store's own KV events (see __init__), where they are published."""
+        if scheduler.local_events is not None:
+            scheduler.local_events.close()
+        scheduler.local_events = None
+        if self._local_events and scheduler.events is not None:
+            scheduler.local_events = LocalTierEvents(scheduler.events, LocalMirror(parts, tp_size))
 
     def _local_store_hits(self, parts: ValueParts) -> LocalStoreHits | None:
         """The scheduler's questions to the local store (``local_store_url``), to count its hits as
@@ -354,6 +370,7 @@ class AsyncConnKVConnector(
             if self._scheduler.events is not None:
                 self._scheduler.events.keys = keys
             self._follow_tiers(self._scheduler, parts)
+            self._follow_local_store(self._scheduler, parts, tp_size)
         if self._worker is not None:
             self._worker.keys, self._worker.parts = keys, parts
             self._worker.set_rank(rank)

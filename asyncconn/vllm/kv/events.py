@@ -91,13 +91,15 @@ class SavedReport(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is n
 
     ``saved``: value hash -> ranks whose save of it ended in the store; ``failed``: value hashes a rank
     could not save; ``removed``: store keys a removal source saw leave the store; ``tiers``: rank -> its
-    host tier's report (:mod:`asyncconn.vllm.kv.tiernews`: report number, keys indexed, keys gone).
+    host tier's report (:mod:`asyncconn.vllm.kv.tiernews`: report number, keys indexed, keys gone);
+    ``local``: the local store's changes, in order (:mod:`asyncconn.vllm.kv.localevents`: key, held).
     """
 
     saved: dict[bytes, int] = field(default_factory=dict)
     failed: set[bytes] = field(default_factory=set)
     removed: list[str] = field(default_factory=list)
     tiers: dict[int, tuple[int, list[str], list[str]]] = field(default_factory=dict)
+    local: list[tuple[str, bool]] = field(default_factory=list)
 
     def aggregate(self, other: Any) -> SavedReport:
         if isinstance(other, SavedReport):
@@ -106,6 +108,7 @@ class SavedReport(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is n
             self.failed |= other.failed
             self.removed.extend(other.removed)
             self.tiers.update(other.tiers)
+            self.local.extend(other.local)
         return self
 
 

@@ -33,6 +33,7 @@ from asyncconn.vllm.kv.events import KVEvents, SavedReport
 from asyncconn.vllm.kv.groups import has_null, real_blocks
 from asyncconn.vllm.kv.hostclaims import HostHits
 from asyncconn.vllm.kv.keys import KeySpace
+from asyncconn.vllm.kv.localevents import LocalTierEvents
 from asyncconn.vllm.kv.localstore import LocalStoreHits
 from asyncconn.vllm.kv.metadata import (
     AsyncConnKVMetadata,
@@ -85,7 +86,9 @@ class KVSchedulerSide:
     the host tiers' own events, snapshotted at every planned save and load
     (:mod:`asyncconn.vllm.kv.tierevents`). ``local_store`` (a ``local_store_url``, one-part values): the
     local store is asked beside the shared one, to count the tokens it serves as ``disk``
-    (:mod:`asyncconn.vllm.kv.localstore`).
+    (:mod:`asyncconn.vllm.kv.localstore`). ``local_events`` (KV events on, a ``local_store_url``): the
+    local store's own events, snapshotted like the tiers' and fed by the workers' reports
+    (:mod:`asyncconn.vllm.kv.localevents`).
     """
 
     def __init__(
@@ -101,11 +104,13 @@ class KVSchedulerSide:
         host: HostHits | None = None,
         tier_events: TierEvents | None = None,
         local_store: LocalStoreHits | None = None,
+        local_events: LocalTierEvents | None = None,
     ) -> None:
         self.keys = keys
         self.host = host
         self.local_store = local_store
         self.tier_events = tier_events
+        self.local_events = local_events
         self.parts = parts if parts is not None else ValueParts.single(keys)
         self.events = events
         self._events_dropped = 0  # ``events.dropped`` at the last stats()
@@ -268,6 +273,8 @@ class KVSchedulerSide:
             self.local_store.planned(rid, tokens)
         if self.tier_events is not None:  # the load puts them in the tiers
             self.tier_events.planned(request, named)
+        if self.local_events is not None:  # and in the local store
+            self.local_events.planned(request, named)
         self._loads.append(LoadSpec(rid, tuple(values), sync=self.sync_loads))
 
     def host_tokens(self, rid: str) -> int:
@@ -391,6 +398,8 @@ class KVSchedulerSide:
             self.events.planned(rid, state.request, named)
             if self.tier_events is not None:  # the save puts them in the tiers too
                 self.tier_events.planned(state.request, named)
+            if self.local_events is not None:  # and in the local store
+                self.local_events.planned(state.request, named)
 
     def update_connector_output(self, output: Any) -> None:
         """A received request's blocks are the scheduler's again; failed values are saved anew later.
@@ -411,6 +420,8 @@ class KVSchedulerSide:
             self.host.update(report.tiers)
             if self.tier_events is not None:
                 self.tier_events.update(report.tiers)
+        if self.local_events is not None and isinstance(report, SavedReport) and report.local:
+            self.local_events.update_local(report.local)
         if events is not None:  # the workers' confirmations first: a finished request's come with it
             if isinstance(report, SavedReport):
                 events.update(report)
@@ -529,6 +540,8 @@ class KVSchedulerSide:
             self.host.close()
         if self.tier_events is not None:
             self.tier_events.close()
+        if self.local_events is not None:
+            self.local_events.close()
         if self.events is not None:
             self.events.close()
         if self.local_store is not None:

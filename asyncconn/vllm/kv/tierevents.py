@@ -19,17 +19,27 @@ model, the part every value has); a value is published when every rank's tier ho
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from asyncconn.vllm.kv.events import MAX_VALUES, KVEvents, Tier
-from asyncconn.vllm.kv.tiernews import TierMirror, TierNews
+from asyncconn.vllm.kv.tiernews import TierNews
 
-__all__ = ["HOST_TIER", "TierEvents"]
+__all__ = ["HOST_TIER", "Holdings", "TierEvents"]
 
 #: The workers' host tiers in vLLM's words (hits from them are counted as ``host`` too).
 HOST_TIER = Tier("CPU", "LOCAL", "asyncconn:host", "host")
+
+
+class Holdings(Protocol):
+    """What the scheduler knows a tier holds: the host tiers' :class:`~asyncconn.vllm.kv.tiernews.TierMirror`,
+    the local store's :class:`~asyncconn.vllm.kv.localevents.LocalMirror`."""
+
+    @property
+    def ranks(self) -> int: ...
+
+    def everywhere(self, part: int, value_hash: bytes) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -42,7 +52,7 @@ class TierEvents:
     """The scheduler side's host-tier events. Runs on vLLM's scheduler thread; events go out through the
     store's :class:`KVEvents` buffer (one ``take_events`` for both)."""
 
-    def __init__(self, events: KVEvents, mirror: TierMirror, tier: Tier = HOST_TIER) -> None:
+    def __init__(self, events: KVEvents, mirror: Holdings, tier: Tier = HOST_TIER) -> None:
         self.events = events
         self.mirror = mirror
         self.tier = tier
@@ -76,6 +86,10 @@ class TierEvents:
                 value_hash = self._key_to_value.get(key)
                 if value_hash is not None:
                     changed[value_hash] = None
+        self._publish(changed)
+
+    def _publish(self, changed: Iterable[bytes]) -> None:
+        """Events for the values whose keys changed, where the tier's holding of them did."""
         removed: list[Any] = []
         for value_hash in changed:
             known = self._known.get(value_hash)

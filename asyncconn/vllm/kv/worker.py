@@ -61,6 +61,7 @@ from asyncconn.vllm.kv.groups import real_blocks
 from asyncconn.vllm.kv.keys import KeySpace
 from asyncconn.vllm.kv.layout import CacheLayout
 from asyncconn.vllm.kv.loads import Landing, landing_for
+from asyncconn.vllm.kv.localevents import LocalNews
 from asyncconn.vllm.kv.metadata import (
     AsyncConnKVMetadata,
     AsyncConnKVStats,
@@ -133,6 +134,7 @@ class KVWorkerSide:
         parts: ValueParts | None = None,
         num_groups: int = 1,
         tier_news: WorkerTierNews | None = None,
+        local_news: LocalNews | None = None,
     ) -> None:
         if loader.device is saver.device:
             raise ConfigError(
@@ -182,10 +184,16 @@ class KVWorkerSide:
         self._totals = worker_totals(saver, loader, store, keys.tokens_per_value)
         # KV events on (vLLM's ``kv_events_config``): which values the store confirmed, for the scheduler.
         self.events = events
-        self._events_dropped = 0  # ``events.dropped`` at the last stats()
+        self._events_dropped = 0  # the event buffers' ``dropped`` at the last stats()
         # Several ranks with a host tier: what the tier holds goes to the scheduler, and each load's values
         # are claimed before the scheduler's acknowledgements free anything (asyncconn.vllm.kv.tiernews).
         self.tier_news = tier_news
+        # The local store's residency published as KV events: what it took in and let go, for the scheduler
+        # (asyncconn.vllm.kv.localevents).
+        self.local_news = local_news
+        layered = store.layered
+        if local_news is not None and layered is not None:
+            layered.on_local = local_news.heard
         if events is not None:
             saver.on_done = self._on_save_done
             # A backend that reports its own removals (eviction, expiry: ``StorageBackend.on_removed``,
@@ -592,12 +600,17 @@ class KVWorkerSide:
 
     def events_report(self) -> SavedReport | None:
         """``build_connector_worker_meta``: the values confirmed or failed, and keys removed, since the last
-        call, and what the host tier indexed and let go (None: both off, or nothing new)."""
+        call, what the host tier indexed and let go, and what the local store took in and let go (None:
+        all off, or nothing new)."""
         report = self.events.take() if self.events is not None else None
         news = self.tier_news.take() if self.tier_news is not None else None
         if news is not None:
             report = report if report is not None else SavedReport()
             report.tiers[self.rank] = news
+        local = self.local_news.take() if self.local_news is not None else None
+        if local:
+            report = report if report is not None else SavedReport()
+            report.local = local
         return report
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -617,9 +630,12 @@ class KVWorkerSide:
         is reported as ``saves_submitted``. Also the store's outages and reachability.
         """
         changed = self._totals.take()
-        if self.events is not None and self.events.dropped != self._events_dropped:
-            changed["events_dropped"] = self.events.dropped - self._events_dropped
-            self._events_dropped = self.events.dropped
+        dropped = (self.events.dropped if self.events is not None else 0) + (
+            self.local_news.dropped if self.local_news is not None else 0
+        )
+        if dropped != self._events_dropped:
+            changed["events_dropped"] = dropped - self._events_dropped
+            self._events_dropped = dropped
         if not changed and self._stats.is_empty():
             return None
         stats, self._stats = self._stats, AsyncConnKVStats()
@@ -639,6 +655,7 @@ class KVWorkerSide:
             "deletes": self._purger.pending,
             "event_reports": self.events.held() if self.events is not None else 0,
             "tier_claims": self.tier_news.held() if self.tier_news is not None else 0,
+            "local_news": self.local_news.held() if self.local_news is not None else 0,
         }
         out.update({f"loader_{k}": v for k, v in self.loader.held().items()})
         out.update({f"saver_{k}": v for k, v in self.saver.held().items()})
@@ -654,6 +671,9 @@ class KVWorkerSide:
         backend: Any = self.store.backend
         if self.events is not None and getattr(backend, "on_removed", None) == self.report_removed:
             backend.on_removed = None  # the backend must not reach into a closed worker
+        layered = self.store.layered
+        if self.local_news is not None and layered is not None:
+            layered.on_local = None  # (the one hook it has is ours)
         self.loader.close(deadline.left())
         if self.tier_news is not None:
             self.tier_news.close()

@@ -1,0 +1,133 @@
+"""KV events for the local store (``local_store_url``): ``BlockStored`` once this host's directory holds a
+value (every rank's key of it), ``BlockRemoved`` once it lets one go, under the local store's own name.
+
+A router that knows a prompt's KV sits on this host's disk can send the prompt here and have it loaded
+without touching the shared store -- the same reason the host tiers publish theirs
+(:mod:`asyncconn.vllm.kv.tierevents`). The local store is named as vLLM names an offloading tier's residency:
+``STORAGE``, ``LOCAL``, ``asyncconn:local`` (:data:`LOCAL_TIER`); the shared store's events keep its name, so
+a value the local sweep drops stays in the store's residency.
+
+What the directory holds is heard in the workers, where the local store runs
+(:attr:`asyncconn.layered.LayeredBackend.on_local`, on the loop thread): keys it took in or served, keys it
+let go (a delete, its own ``max_bytes`` / ``max_age`` sweep). Each worker buffers them (:class:`LocalNews`,
+bounded) and reports them in order with its step's report; the scheduler keeps, for the values it has
+snapshotted a payload for (a planned save or load, as for the host tiers), which of their keys the
+directory holds (:class:`LocalMirror`), and publishes a value when every rank's key is there.
+
+Any worker may report any rank's key: the directory is shared by the ranks on this host, and the one whose
+sweep ran reports what it removed. What other engines sharing the directory write or remove is not heard
+(their own events name what they wrote); values left in it by an earlier run are announced when a load
+reads them. The lookup that counts ``disk`` hits asks the directory itself (:mod:`.localstore`), never this.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+from asyncconn.vllm.kv.events import MAX_VALUES, KVEvents, Tier
+from asyncconn.vllm.kv.parts import ValueParts
+from asyncconn.vllm.kv.tierevents import TierEvents
+
+__all__ = ["LOCAL_TIER", "LocalChange", "LocalMirror", "LocalNews", "LocalTierEvents"]
+
+#: The local store in vLLM's words (its hits are counted as ``disk``).
+LOCAL_TIER = Tier("STORAGE", "LOCAL", "asyncconn:local", "disk")
+
+#: A key the local store holds now (True) or let go (False).
+LocalChange = tuple[str, bool]
+
+
+class LocalNews:
+    """A worker's buffer of the local store's changes, until its next report.
+
+    :meth:`heard` is the store's ``on_local`` hook (the loop thread); :meth:`take` runs on vLLM's worker
+    thread. A lock guards the buffer, never held across I/O. Bounded by ``MAX_VALUES``: what overflows is
+    counted in ``dropped`` (its events are lost, never wrong: a later change of the key corrects it).
+    """
+
+    def __init__(self) -> None:
+        self._changes: list[LocalChange] = []
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def heard(self, keys: Sequence[str], held: bool) -> None:
+        with self._lock:
+            room = MAX_VALUES - len(self._changes)
+            if len(keys) > room:
+                self.dropped += len(keys) - max(room, 0)
+                keys = keys[: max(room, 0)]
+            self._changes.extend((key, held) for key in keys)
+
+    def take(self) -> list[LocalChange]:
+        with self._lock:
+            changes, self._changes = self._changes, []
+        return changes
+
+    def held(self) -> int:
+        return len(self._changes)
+
+
+class LocalMirror:
+    """Which keys of the values the scheduler follows the local store holds (bounded by what it follows:
+    keys it has not snapshotted a value for are never kept)."""
+
+    def __init__(self, parts: ValueParts, ranks: int) -> None:
+        self.parts = parts
+        self._ranks = ranks
+        self._held: set[str] = set()
+
+    @property
+    def ranks(self) -> int:
+        return self._ranks
+
+    def apply(self, key: str, held: bool) -> None:
+        if held:
+            self._held.add(key)
+        else:
+            self._held.discard(key)
+
+    def forget(self, keys: Iterable[str]) -> None:
+        self._held.difference_update(keys)
+
+    def everywhere(self, part: int, value_hash: bytes) -> bool:
+        """Whether the directory holds every rank's key of part ``part`` of ``value_hash``."""
+        space = self.parts.keys[part]
+        return all(space.store_key(value_hash, rank) in self._held for rank in range(self._ranks))
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def close(self) -> None:
+        self._held.clear()
+
+
+class LocalTierEvents(TierEvents):
+    """The scheduler side's local-store events: the host tiers' bookkeeping (:class:`TierEvents`: payloads
+    snapshotted at planned saves and loads, published when held, removed when let go) over a
+    :class:`LocalMirror` fed by the workers' :class:`LocalNews`. Runs on vLLM's scheduler thread."""
+
+    mirror: LocalMirror
+
+    def __init__(self, events: KVEvents, mirror: LocalMirror) -> None:
+        super().__init__(events, mirror, LOCAL_TIER)
+
+    def update_local(self, changes: Iterable[LocalChange]) -> None:
+        """The workers' changes of a step, in order: applied for the values followed, then published."""
+        changed: dict[bytes, None] = {}
+        for key, held in changes:
+            value_hash = self._key_to_value.get(key)
+            if value_hash is not None:
+                self.mirror.apply(key, held)
+                changed[value_hash] = None
+        self._publish(changed)
+
+    def _forget_oldest(self) -> None:
+        value_hash = next(iter(self._known))
+        super()._forget_oldest()
+        keys = self.events.keys
+        self.mirror.forget(keys.store_keys((value_hash,), rank)[0] for rank in range(self.mirror.ranks))
+
+    def close(self) -> None:
+        super().close()
+        self.mirror.close()
