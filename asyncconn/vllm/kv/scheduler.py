@@ -25,6 +25,7 @@ every value's whole part and the window parts of the values inside the window at
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from asyncconn.vllm.kv.metadata import (
     lookup_totals,
 )
 from asyncconn.vllm.kv.parts import ValueParts
+from asyncconn.vllm.kv.stages import StageSpaces
 from asyncconn.vllm.kv.tierevents import TierEvents
 
 __all__ = ["IDLE_WAIT_S", "KVSchedulerSide"]
@@ -88,7 +90,8 @@ class KVSchedulerSide:
     local store is asked beside the shared one, to count the tokens it serves as ``disk``
     (:mod:`asyncconn.vllm.kv.localstore`). ``local_events`` (KV events on, a ``local_store_url``): the
     local store's own events, snapshotted like the tiers' and fed by the workers' reports
-    (:mod:`asyncconn.vllm.kv.localevents`).
+    (:mod:`asyncconn.vllm.kv.localevents`). ``spaces``: every pipeline stage's key space, as the workers'
+    reports name them (:mod:`asyncconn.vllm.kv.stages`; shared with all of the above).
     """
 
     def __init__(
@@ -105,12 +108,16 @@ class KVSchedulerSide:
         tier_events: TierEvents | None = None,
         local_store: LocalStoreHits | None = None,
         local_events: LocalTierEvents | None = None,
+        spaces: StageSpaces | None = None,
     ) -> None:
         self.keys = keys
         self.host = host
         self.local_store = local_store
         self.tier_events = tier_events
         self.local_events = local_events
+        if spaces is None:
+            spaces = events.spaces if events is not None else StageSpaces(keys)
+        self.spaces = spaces
         self.parts = parts if parts is not None else ValueParts.single(keys)
         self.events = events
         self._events_dropped = 0  # ``events.dropped`` at the last stats()
@@ -277,6 +284,15 @@ class KVSchedulerSide:
             self.local_events.planned(request, named)
         self._loads.append(LoadSpec(rid, tuple(values), sync=self.sync_loads))
 
+    def _learn_stages(self, layers: Mapping[int, tuple[str, ...]]) -> None:
+        """Later pipeline stages named their layers: whoever names values by their keys learns their keys
+        (one :class:`~asyncconn.vllm.kv.stages.StageSpaces` shared by all of them)."""
+        if not self.spaces.learn(layers):
+            return
+        for follower in (self.events, self.tier_events, self.local_events):
+            if follower is not None:
+                follower.remap()
+
     def host_tokens(self, rid: str) -> int:
         """Tokens of ``rid``'s planned load that the host tier serves (asked once, right after planning)."""
         return self.host.take_tokens(rid) if self.host is not None else 0
@@ -416,6 +432,8 @@ class KVSchedulerSide:
         """
         events = self.events
         report = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(report, SavedReport) and report.layers:
+            self._learn_stages(report.layers)
         if self.host is not None and isinstance(report, SavedReport) and report.tiers:
             self.host.update(report.tiers)
             if self.tier_events is not None:

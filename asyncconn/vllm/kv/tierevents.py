@@ -19,7 +19,7 @@ model, the part every value has); a value is published when every rank's tier ho
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,8 +36,7 @@ class Holdings(Protocol):
     """What the scheduler knows a tier holds: the host tiers' :class:`~asyncconn.vllm.kv.tiernews.TierMirror`,
     the local store's :class:`~asyncconn.vllm.kv.localevents.LocalMirror`."""
 
-    @property
-    def ranks(self) -> int: ...
+    def keys_of(self, value_hashes: Sequence[bytes]) -> Iterator[tuple[str, bytes]]: ...
 
     def everywhere(self, part: int, value_hash: bytes) -> bool: ...
 
@@ -72,9 +71,7 @@ class TierEvents:
                 break  # events are off
             self._known[value_hash] = _Known(event)
             new.append(value_hash)
-        keys = self.events.keys
-        for rank in range(self.mirror.ranks):  # (one hasher per rank: a key each costs little then)
-            self._key_to_value.update(zip(keys.store_keys(new, rank), new, strict=True))
+        self._key_to_value.update(self.mirror.keys_of(new))
         while len(self._known) > MAX_VALUES:
             self._forget_oldest()
 
@@ -109,6 +106,10 @@ class TierEvents:
         """Value hash -> block hashes of the values whose last event said every rank's tier holds them."""
         return {h: known.event.block_hashes for h, known in self._known.items() if known.published}
 
+    def remap(self) -> None:
+        """A later pipeline stage's key space became known: name the values followed by its keys too."""
+        self._key_to_value = dict(self.mirror.keys_of(list(self._known)))
+
     def close(self) -> None:
         self._known.clear()
         self._key_to_value.clear()
@@ -117,6 +118,5 @@ class TierEvents:
         """The least recently planned value leaves the map (a router may keep a published one: it then
         finds the value in the store, or misses)."""
         value_hash, _ = self._known.popitem(last=False)
-        keys = self.events.keys
-        for rank in range(self.mirror.ranks):
-            self._key_to_value.pop(keys.store_keys((value_hash,), rank)[0], None)
+        for key, _ in self.mirror.keys_of((value_hash,)):
+            self._key_to_value.pop(key, None)

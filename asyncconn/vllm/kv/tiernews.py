@@ -14,7 +14,9 @@ serve. The protocol, over vLLM's own channels:
   announced keys that left it, under a report number per rank;
 - the scheduler keeps each rank's set of held keys (:class:`TierMirror`) and counts a planned load's value
   as ``host`` when every rank's tier holds every part of it; it tells every worker, in the next metadata,
-  the last report number it applied per rank (``AsyncConnKVMetadata.tier_acks``);
+  the last report number it applied per rank (``AsyncConnKVMetadata.tier_acks``). Under pipeline
+  parallelism a worker is named by its slot (``stage * tp_size + rank``), and a later stage's keys are
+  learnt from its reports (:mod:`asyncconn.vllm.kv.stages`);
 - a tier that evicts an announced value *withdraws* it: out of its index but still readable, its memory
   kept until the scheduler acknowledges the report that said so. A worker claims (pins) the values of
   each load it is given before it applies that metadata's acknowledgements, until the load has ended. So
@@ -29,12 +31,13 @@ under the store's source. A claimed value deleted as damaged is read from the st
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from asyncconn.hosttier import HostLRU
 from asyncconn.vllm.kv.hostclaims import PlannedTokens
 from asyncconn.vllm.kv.metadata import ValueRef
 from asyncconn.vllm.kv.parts import ValueParts
+from asyncconn.vllm.kv.stages import StageSpaces
 
 __all__ = ["TierMirror", "TierNews", "WorkerTierNews"]
 
@@ -81,24 +84,32 @@ def _owner(rid: str) -> str:
 
 
 class TierMirror:
-    """The scheduler's side: what each rank's tier holds, as reported; the tokens of a planned load that
-    every rank's tier holds; the acknowledgements to send. Runs on vLLM's scheduler thread."""
+    """The scheduler's side: what each worker's tier holds, as reported; the tokens of a planned load that
+    every worker's tier holds; the acknowledgements to send. Runs on vLLM's scheduler thread.
 
-    def __init__(self, parts: ValueParts, tp_size: int, block_size: int) -> None:
+    A worker is named by its slot, ``stage * tp_size + rank`` (its rank alone without pipeline
+    parallelism); a later stage's keys are in that stage's key space (:mod:`asyncconn.vllm.kv.stages`).
+    """
+
+    def __init__(
+        self, parts: ValueParts, tp_size: int, block_size: int, spaces: StageSpaces | None = None
+    ) -> None:
         self.parts = parts
-        self._held: list[set[str]] = [set() for _ in range(tp_size)]
+        self.spaces = spaces if spaces is not None else StageSpaces(parts.keys[0])
+        self._tp = tp_size
+        self._held: dict[int, set[str]] = {}
         self._acks: dict[int, int] = {}
         self._tokens = PlannedTokens(block_size)
 
     def update(self, news: Mapping[int, TierNews]) -> None:
-        """Apply the ranks' reports of a step (what left first: a key can leave and come back in one)."""
-        for rank, (seq, admitted, gone) in news.items():
-            if not 0 <= rank < len(self._held):
+        """Apply the workers' reports of a step (what left first: a key can leave and come back in one)."""
+        for slot, (seq, admitted, gone) in news.items():
+            if not 0 <= slot < self._tp * self.spaces.stages:
                 continue
-            held = self._held[rank]
+            held = self._held.setdefault(slot, set())
             held.difference_update(gone)
             held.update(admitted)
-            self._acks[rank] = max(self._acks.get(rank, 0), seq)
+            self._acks[slot] = max(self._acks.get(slot, 0), seq)
 
     def acks(self) -> dict[int, int]:
         """Per rank, the last report applied (for the next metadata)."""
@@ -114,13 +125,19 @@ class TierMirror:
         return self._tokens.take(rid)
 
     def everywhere(self, part: int, value_hash: bytes) -> bool:
-        """Whether every rank's tier holds its key of part ``part`` of the value ``value_hash``."""
-        space = self.parts.keys[part]
-        return all(space.store_key(value_hash, rank) in held for rank, held in enumerate(self._held))
+        """Whether every worker's tier holds its key of part ``part`` of the value ``value_hash`` (every
+        stage's: False while a stage's key space is not known yet)."""
+        if not self.spaces.complete:
+            return False
+        for stage, space in self.spaces.with_first(self.parts.keys[part]):
+            for rank in range(self._tp):
+                if space.store_key(value_hash, rank) not in self._held.get(stage * self._tp + rank, ()):
+                    return False
+        return True
 
-    @property
-    def ranks(self) -> int:
-        return len(self._held)
+    def keys_of(self, value_hashes: Sequence[bytes]) -> Iterator[tuple[str, bytes]]:
+        """(key, value hash) of every worker's key of ``value_hashes`` (their first parts)."""
+        return self.spaces.keys_of(value_hashes)
 
     def release(self, rid: str) -> None:
         self._tokens.drop(rid)
@@ -130,5 +147,4 @@ class TierMirror:
 
     def close(self) -> None:
         self._tokens.clear()
-        for held in self._held:
-            held.clear()
+        self._held.clear()

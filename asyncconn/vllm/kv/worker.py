@@ -135,6 +135,7 @@ class KVWorkerSide:
         num_groups: int = 1,
         tier_news: WorkerTierNews | None = None,
         local_news: LocalNews | None = None,
+        stage: int = 0,
     ) -> None:
         if loader.device is saver.device:
             raise ConfigError(
@@ -152,6 +153,8 @@ class KVWorkerSide:
         self.parts = parts if parts is not None else ValueParts.single(keys)
         self.num_blocks = num_blocks
         self.rank = rank
+        #: The pipeline stage (0 without pipeline parallelism): a later stage's reports name its layers.
+        self.stage = stage
         self.load_timeout = load_timeout
         self.preempt_timeout = preempt_timeout
         # Some KV cache group is windowed (sliding-window, chunked-local): vLLM hands such a group's blocks
@@ -223,6 +226,11 @@ class KVWorkerSide:
             raise ConfigError(f"KV connector: rank {rank} outside tp_size {self.keys.tp_size}")
         self.rank = rank
 
+    @property
+    def slot(self) -> int:
+        """This worker among all the engine's: ``stage * tp_size + rank``."""
+        return self.stage * self.keys.tp_size + self.rank
+
     # -- loads -----------------------------------------------------------------------------------------
     @property
     def loads_before_forward(self) -> bool:
@@ -244,7 +252,7 @@ class KVWorkerSide:
         if meta.loads:
             self._issue(meta)
         if self.tier_news is not None:  # after this metadata's claims: they keep what its loads read
-            self.tier_news.acknowledge(meta.tier_acks.get(self.rank))
+            self.tier_news.acknowledge(meta.tier_acks.get(self.slot))
 
     def _issue(self, meta: AsyncConnKVMetadata) -> None:
         landings, spaces = self.landings, self.parts.keys
@@ -606,11 +614,13 @@ class KVWorkerSide:
         news = self.tier_news.take() if self.tier_news is not None else None
         if news is not None:
             report = report if report is not None else SavedReport()
-            report.tiers[self.rank] = news
+            report.tiers[self.slot] = news
         local = self.local_news.take() if self.local_news is not None else None
         if local:
             report = report if report is not None else SavedReport()
             report.local = local
+        if report is not None and self.stage > 0:  # its keys are its stage's (asyncconn.vllm.kv.stages)
+            report.layers[self.stage] = self.keys.identity.layers
         return report
 
     def get_block_ids_with_load_errors(self) -> set[int]:
