@@ -24,6 +24,18 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[li
     return token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], sampling(max_tokens)))
 
 
+def cached_by_source(llm: Any) -> dict[str, float]:
+    """vLLM's prompt tokens cached, by source (``vllm:prompt_tokens_cached_by_source``), without its own
+    prefix cache's (``device``) and the sources at zero."""
+    return {
+        m.labels["source"]: m.value
+        for m in llm.get_metrics()
+        if m.name == "vllm:prompt_tokens_cached_by_source"
+        and m.labels.get("source") != "device"
+        and getattr(m, "value", 0)
+    }
+
+
 def assert_same_kv(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> None:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):

@@ -17,7 +17,7 @@ import pytest
 
 from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
 from tests.engine import routers
-from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, assert_idle, generate
+from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, assert_idle, cached_by_source, generate
 
 pytestmark = pytest.mark.vllm
 
@@ -62,12 +62,7 @@ def test_a_router_sees_the_stores_blocks_and_hits_count_as_disk(
     second = make_llm(text_model, kv=kv_config(backend_url=url))
     engines.append(second)
     generate(second, [prompt])
-    by_source = {
-        m.labels.get("source"): m.value
-        for m in second.get_metrics()
-        if m.name == "vllm:prompt_tokens_cached_by_source" and getattr(m, "value", 0)
-    }
-    assert by_source == {"disk": FULL_BLOCKS * BLOCK_SIZE}
+    assert cached_by_source(second) == {"disk": FULL_BLOCKS * BLOCK_SIZE}
 
 
 def test_a_router_sees_the_host_tier_apart_from_the_store(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from asyncconn_tools.engines import Probe, kv_config, make_llm
-from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate
+from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, cached_by_source, generate
 
 pytestmark = pytest.mark.vllm
 
@@ -45,13 +45,7 @@ def test_a_prefix_evicted_from_vllm_is_loaded_from_the_host_tier(
     hit_tokens = probe.metrics()["vllm:external_prefix_cache_hits"]
     assert hit_tokens > 0
     # vLLM counts every one of those tokens as served by host memory, none under the store's ``disk``.
-    by_source = {
-        m.labels.get("source"): m.value
-        for m in llm.get_metrics()
-        if m.name == "vllm:prompt_tokens_cached_by_source" and getattr(m, "value", 0)
-    }
-    by_source.pop("device", None)  # vLLM's own prefix cache (prompts sharing a prefix in one batch)
-    assert by_source == {"host": hit_tokens}
+    assert cached_by_source(llm) == {"host": hit_tokens}
     assert probe.kv_scheduler_connector().scheduler_side.held()["host_claims"] == 0  # released
     for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)

@@ -20,22 +20,13 @@ import redis
 
 from asyncconn.transfer import Failure
 from asyncconn_tools.engines import Probe, close_llm, kv_config, make_llm
-from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, generate
+from tests.engine.kvcase import PROMPTS, assert_idle, assert_same_kv, cached_by_source, generate
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.vllm
 
 #: Commands that read a value's bytes (any read path of the redis backend).
 READS = ("get", "getrange", "mget", "hget", "hmget", "hgetall", "hstrlen", "substr")
-
-
-def _by_source(llm: Any) -> dict[str, float]:
-    """vLLM's cached prompt tokens by source, not counting its own prefix cache (``device``)."""
-    return {
-        m.labels["source"]: m.value
-        for m in llm.get_metrics()
-        if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") != "device"
-    }
 
 
 def _reads(server: RedisServer) -> int:
@@ -82,20 +73,20 @@ def test_a_fresh_engine_loads_from_the_local_disk_not_from_redis(
     assert layered.stats.local_misses == 0 and layered.stats.fills == 0
     hit_tokens = probe.metrics()["vllm:external_prefix_cache_hits"]
     assert hit_tokens > 0
-    assert {k: v for k, v in _by_source(second).items() if v} == {"disk": hit_tokens}
+    assert cached_by_source(second) == {"disk": hit_tokens}
     for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)
 
     # Half the local copies gone: those values come from redis (and are written locally again).
     for path in sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))[::2]:
         path.unlink()
-    before = _by_source(second)
+    before = cached_by_source(second)
     stats = layered.stats
     local_hits = stats.local_hits
     assert second.reset_prefix_cache()
     assert generate(second, PROMPTS) == kv_reference["tokens"]
     assert_idle(probe)
-    after = _by_source(second)
+    after = cached_by_source(second)
     disk = after.get("disk", 0) - before.get("disk", 0)
     remote = after.get("external_unspecified", 0) - before.get("external_unspecified", 0)
     tokens_per_value = worker.keys.tokens_per_value

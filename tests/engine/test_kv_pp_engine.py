@@ -23,8 +23,9 @@ import torch
 
 from asyncconn_tools.engines import BLOCK_SIZE, close_llm, kv_config, make_llm
 from tests.engine import routers
-from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, generate
+from tests.engine.kvcase import FULL_BLOCKS, PROMPTS, cached_by_source, generate
 from tests.engine.ranks import block_hashes, run_prompts, settled
+from tests.servers import RedisServer
 
 PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
 #: The prompts' shared prefix (``shared_prefix_prompts``: 96 tokens) is blocks 0-2; 3 to 5 are each prompt's.
@@ -200,13 +201,7 @@ def test_pp2_every_stages_host_tier_is_followed_and_a_later_stages_removals_are_
     assert tokens == kv_reference["tokens"]
     tiers = settled(llm, _tier_figures)
     assert all(t["hits"] == values and t["held"] == 0 for t in tiers), tiers  # both stages' tiers served
-    by_source = {
-        m.labels.get("source"): m.value
-        for m in llm.get_metrics()
-        if m.name == "vllm:prompt_tokens_cached_by_source" and getattr(m, "value", 0)
-    }
-    by_source.pop("device", None)  # vLLM's own prefix cache (the shared prefix within a pass)
-    assert by_source == {"host": values * BLOCK_SIZE}
+    assert cached_by_source(llm) == {"host": values * BLOCK_SIZE}
 
     hashes = [bytes(h) for h in block_hashes(llm, PROMPTS[0])]
     assert llm.collective_rpc(_remove_own_values, args=(hashes, 1)) == [0, len(OWN_BLOCKS)]
@@ -215,3 +210,54 @@ def test_pp2_every_stages_host_tier_is_followed_and_a_later_stages_removals_are_
     gone = {maybe_convert_block_hash(hashes[b]) for b in OWN_BLOCKS}
     held = routers.residency(routers.replayed_batches(replay_port))
     assert held[("STORAGE", "asyncconn:file")] & full == full - gone
+
+
+def _drop_local_copies(worker: Any, block_hashes: list[bytes], stage: int) -> int:
+    """In a worker process: on stage ``stage`` only, delete from this host's local store (not the shared
+    one) this stage's copies of ``block_hashes``' values past the shared prefix; how many were there."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().rank_in_group != stage:
+        return 0
+    side = get_kv_transfer_group().worker_side
+    values = side.keys.value_hashes(block_hashes)
+    keys = side.keys.store_keys([values[b] for b in OWN_BLOCKS], 0)
+    return int(side.runtime.run(side.store.layered.local.delete(keys), timeout=30.0))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp2_a_value_counts_as_disk_only_when_every_stage_holds_it_locally(
+    text_model: Path,
+    kv_reference: dict[str, Any],
+    engines: list[Any],
+    tmp_path: Path,
+    fresh_redis: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two stages over ``redis://`` with a local directory in front (``local_store_url``): the scheduler
+    asks the directory for every stage's keys (the second stage's learnt from its workers' reports). A pass
+    after vLLM's own cache is reset loads every value from the directory, all counted as ``disk``; with the
+    second stage's local copies of three values deleted, the next pass counts those three under redis's
+    source (``external_unspecified``) -- the second stage read them from redis -- and the rest as ``disk``."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    values = len({tuple(p[: (b + 1) * BLOCK_SIZE]) for p in PROMPTS for b in range(FULL_BLOCKS)})
+    llm = _pp_llm(text_model, fresh_redis.url, kv={"local_store_url": f"file://{tmp_path / 'local'}"})
+    engines.append(llm)
+    run_prompts(llm, PROMPTS)
+    settled(llm)
+
+    def one_pass() -> dict[str, float]:
+        before = cached_by_source(llm)
+        assert llm.reset_prefix_cache()
+        tokens, _ = run_prompts(llm, PROMPTS)
+        assert tokens == kv_reference["tokens"]
+        settled(llm)
+        return {k: v - before.get(k, 0) for k, v in cached_by_source(llm).items() if v - before.get(k, 0)}
+
+    assert one_pass() == {"disk": values * BLOCK_SIZE}
+    hashes = [bytes(h) for h in block_hashes(llm, PROMPTS[0])]
+    assert llm.collective_rpc(_drop_local_copies, args=(hashes, 1)) == [0, len(OWN_BLOCKS)]
+    own = len(OWN_BLOCKS) * BLOCK_SIZE
+    assert one_pass() == {"disk": values * BLOCK_SIZE - own, "external_unspecified": own}

@@ -362,7 +362,9 @@ class AsyncConnKVConnector(
             return None
         shared = LookupConfig.from_settings(self.settings)
         config = dataclasses.replace(shared, backend_url=url, lookup_server=None, lookup_server_key=None)
-        return LocalStoreHits(open_lookup_client(config, EXISTS), parts.keys[0].keys_per_value)
+        # Every stage's keys of a value (asyncconn.vllm.kv.stages): each stage reads its own from the disk.
+        per_value = parts.keys[0].keys_per_value * self._stages
+        return LocalStoreHits(open_lookup_client(config, EXISTS), per_value)
 
     def _worker_tier(self, store: TensorStore) -> WorkerTierNews | None:
         """Claims: the tier registered for the scheduler in this process; reports: reporting to it."""

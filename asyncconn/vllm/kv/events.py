@@ -358,12 +358,16 @@ class KVEvents:
         self._key_to_value.update(self.spaces.keys_of((value_hash,)))
         while len(self._stored) > MAX_VALUES:
             self._stored.popitem(last=False)
-        while len(self._key_to_value) > MAX_VALUES * self.ranks:
-            self._key_to_value.popitem(last=False)
+        self._bound_keys()
 
     def remap(self) -> None:
         """A later stage's key space became known: name the values published by its keys too."""
         self._key_to_value.update(self.spaces.keys_of(list(self._stored)))
+        self._bound_keys()
+
+    def _bound_keys(self) -> None:
+        while len(self._key_to_value) > MAX_VALUES * self.ranks:
+            self._key_to_value.popitem(last=False)
 
     def _stored_event(self, request: Any, index: int, tier: Tier) -> Any:
         """vLLM's ``BlockStored`` for value ``index`` of ``request`` in ``tier``, as its prefix cache builds

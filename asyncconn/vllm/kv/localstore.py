@@ -21,7 +21,8 @@ store's threads, never on vLLM's thread):
 Only the split is exact up to what changes between the question and the read (a value the local store's
 sweep removes meanwhile is read from the shared store, but was counted as ``disk``). A model whose
 windowed layers are stored apart (:mod:`asyncconn.vllm.kv.parts`) is not split: its hits are counted under
-the shared store's source.
+the shared store's source. Under pipeline parallelism the question names every stage's keys of a value
+(:mod:`asyncconn.vllm.kv.stages`), and is asked only once every stage's key space is known.
 """
 
 from __future__ import annotations

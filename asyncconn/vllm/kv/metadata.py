@@ -109,6 +109,9 @@ class AsyncConnKVMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is
     #: Per rank, the last host-tier report the scheduler applied (several ranks with ``host_cache_bytes``:
     #: :mod:`asyncconn.vllm.kv.tiernews`); the tier frees what that report withdrew.
     tier_acks: dict[int, int] = field(default_factory=dict)
+    #: Whether the scheduler knows every pipeline stage's key space: a later stage's workers stop naming
+    #: their layers (:mod:`asyncconn.vllm.kv.stages`).
+    stages_known: bool = True
 
 
 #: Why a load or a save failed (``load_failures_<cause>``, ``save_failures_<cause>``): the loader's and the

@@ -226,11 +226,29 @@ class KVSchedulerSide:
             return lookup.poll(rid)
         keys = space.lookup_keys(value_hashes)
         if self.local_store is not None:  # one-part values only: ``space`` is ``self.keys``
-            self.local_store.ask(rid, keys)
+            local = self._local_keys(value_hashes, keys)
+            if local is not None:
+                self.local_store.ask(rid, local)
         if self.sync_lookup:
             return lookup.lookup_sync(rid, keys)
         lookup.submit(rid, keys)
         return lookup.poll(rid)
+
+    def _local_keys(self, value_hashes: list[bytes], keys: list[bytes]) -> list[bytes] | None:
+        """The local store's question: ``keys`` on one stage; under pipeline parallelism every stage's
+        keys of each value, value by value, once every stage's key space is known (until then, none: no
+        token is counted as ``disk`` that a later stage might read from the shared store)."""
+        spaces = self.spaces
+        if spaces.stages == 1:
+            return keys
+        if not spaces.complete:
+            return None
+        return [
+            space.value_key(h, rank)
+            for h in value_hashes
+            for _, space in spaces.items()
+            for rank in range(space.keys_per_value)
+        ]
 
     # -- allocation ------------------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -331,6 +349,7 @@ class KVSchedulerSide:
             finished_via_recv=via_recv,
             step_tokens=step_tokens,
             tier_acks=self.host.acks() if self.host is not None else {},
+            stages_known=self.spaces.complete,
         )
         if self._loads:
             self._loads = []

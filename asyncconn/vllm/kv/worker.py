@@ -153,8 +153,10 @@ class KVWorkerSide:
         self.parts = parts if parts is not None else ValueParts.single(keys)
         self.num_blocks = num_blocks
         self.rank = rank
-        #: The pipeline stage (0 without pipeline parallelism): a later stage's reports name its layers.
+        #: The pipeline stage (0 without pipeline parallelism): a later stage's reports name its layers
+        #: until the scheduler's metadata says it knows every stage's (``stages_known``).
         self.stage = stage
+        self._stage_known = stage == 0
         self.load_timeout = load_timeout
         self.preempt_timeout = preempt_timeout
         # Some KV cache group is windowed (sliding-window, chunked-local): vLLM hands such a group's blocks
@@ -249,6 +251,8 @@ class KVWorkerSide:
         if meta is self._issued:
             return
         self._issued = meta
+        if meta.stages_known:
+            self._stage_known = True
         if meta.loads:
             self._issue(meta)
         if self.tier_news is not None:  # after this metadata's claims: they keep what its loads read
@@ -619,7 +623,8 @@ class KVWorkerSide:
         if local:
             report = report if report is not None else SavedReport()
             report.local = local
-        if report is not None and self.stage > 0:  # its keys are its stage's (asyncconn.vllm.kv.stages)
+        if not self._stage_known:  # its keys are its stage's (asyncconn.vllm.kv.stages): named until known
+            report = report if report is not None else SavedReport()
             report.layers[self.stage] = self.keys.identity.layers
         return report
 
