@@ -6,7 +6,8 @@ hasher); times :meth:`KVEvents.planned` (the snapshot taken when a save is plann
 (``update`` + ``take`` + ``release``) per value, after one warm-up request. With events off neither runs.
 Then, with a host tier (``host_cache_bytes``), the tier's events: :meth:`TierEvents.planned` (the snapshot
 at a planned save or load) and the reports' path per value, once for the value coming into the tier
-(mirror and events updated, ``BlockStored``) and once for it leaving (``BlockRemoved``).
+(mirror and events updated, ``BlockStored``) and once for it leaving (``BlockRemoved``). Then the same for
+the local store's events (``local_store_url``: :class:`LocalTierEvents`, the workers' changes in order).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm.v1.request import Request
 
 from asyncconn.vllm.kv.events import KVEvents, SavedReport, tier_of
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
+from asyncconn.vllm.kv.localevents import LocalMirror, LocalTierEvents
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.tierevents import TierEvents
 from asyncconn.vllm.kv.tiernews import TierMirror
@@ -97,6 +99,28 @@ def main() -> None:
         f"host tier, {values} values: planned {snapshot / values * 1e6:.1f} us/value, "
         f"into the tiers {admitted / values * 1e6:.1f} us/value, out {gone / values * 1e6:.1f} us/value "
         "(names built outside the timing: the worker's reports carry them)"
+    )
+    local = LocalTierEvents(events, LocalMirror(ValueParts.single(keys), 1))
+    snapshot = admitted = gone = 0.0
+    for request in requests[1:]:
+        hashes = list(request.block_hashes)
+        names = [keys.store_key(h, 0) for h in hashes]
+        t0 = time.perf_counter()
+        local.planned(request, list(enumerate(hashes)))
+        t1 = time.perf_counter()
+        local.update_local([(name, True) for name in names])
+        events.take()
+        t2 = time.perf_counter()
+        local.update_local([(name, False) for name in names])
+        events.take()
+        t3 = time.perf_counter()
+        snapshot += t1 - t0
+        admitted += t2 - t1
+        gone += t3 - t2
+    assert not local.published()
+    print(
+        f"local store, {values} values: planned {snapshot / values * 1e6:.1f} us/value, "
+        f"into the directory {admitted / values * 1e6:.1f} us/value, out {gone / values * 1e6:.1f} us/value"
     )
 
 

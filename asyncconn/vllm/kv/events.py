@@ -355,7 +355,10 @@ class KVEvents:
         self._stored.move_to_end(value_hash)
         # Every rank's key of every pipeline stage known (a later stage's: once its workers named their
         # layers, asyncconn.vllm.kv.stages).
-        self._key_to_value.update(self.spaces.keys_of((value_hash,)))
+        key_to_value = self._key_to_value
+        for space in self.spaces.known:
+            for rank in range(space.keys_per_value):
+                key_to_value[space.store_key(value_hash, rank)] = value_hash
         while len(self._stored) > MAX_VALUES:
             self._stored.popitem(last=False)
         self._bound_keys()

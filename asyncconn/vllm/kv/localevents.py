@@ -23,7 +23,7 @@ reads them. The lookup that counts ``disk`` hits asks the directory itself (:mod
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 from asyncconn.vllm.kv.events import MAX_VALUES, KVEvents, Tier
 from asyncconn.vllm.kv.parts import ValueParts
@@ -79,7 +79,7 @@ class LocalMirror:
         self._tp = tp_size
         self._held: set[str] = set()
 
-    def keys_of(self, value_hashes: Sequence[bytes]) -> Iterator[tuple[str, bytes]]:
+    def keys_of(self, value_hashes: Sequence[bytes]) -> list[tuple[str, bytes]]:
         """(key, value hash) of every worker's key of ``value_hashes``."""
         return self.spaces.keys_of(value_hashes)
 
@@ -95,12 +95,11 @@ class LocalMirror:
     def everywhere(self, part: int, value_hash: bytes) -> bool:
         """Whether the directory holds every rank's key of part ``part`` of ``value_hash`` (of every
         pipeline stage: False while a stage's key space is not known yet)."""
-        if not self.spaces.complete:
+        spaces = self.spaces.every_stage(self.parts.keys[part])
+        if spaces is None:
             return False
-        for _, space in self.spaces.with_first(self.parts.keys[part]):
-            if any(space.store_key(value_hash, rank) not in self._held for rank in range(self._tp)):
-                return False
-        return True
+        held = self._held
+        return all(space.store_key(value_hash, rank) in held for space in spaces for rank in range(self._tp))
 
     def __len__(self) -> int:
         return len(self._held)

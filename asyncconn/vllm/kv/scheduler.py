@@ -238,15 +238,15 @@ class KVSchedulerSide:
         """The local store's question: ``keys`` on one stage; under pipeline parallelism every stage's
         keys of each value, value by value, once every stage's key space is known (until then, none: no
         token is counted as ``disk`` that a later stage might read from the shared store)."""
-        spaces = self.spaces
-        if spaces.stages == 1:
+        if self.spaces.stages == 1:
             return keys
-        if not spaces.complete:
+        spaces = self.spaces.every_stage(self.keys)
+        if spaces is None:
             return None
         return [
             space.value_key(h, rank)
             for h in value_hashes
-            for _, space in spaces.items()
+            for space in spaces
             for rank in range(space.keys_per_value)
         ]
 

@@ -15,7 +15,7 @@ followed across stages: a stage's parts depend on its own KV cache groups.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from asyncconn.vllm.kv.keys import KeySpace
 
@@ -27,11 +27,11 @@ class StageSpaces:
 
     def __init__(self, first: KeySpace, stages: int = 1) -> None:
         self.stages = max(stages, 1)
+        #: The first stage's key space (plain attributes: the events' path reads them value by value).
+        self.first = first
+        #: The key spaces known, in stage order.
+        self.known: list[KeySpace] = [first]
         self._spaces: dict[int, KeySpace] = {0: first}
-
-    @property
-    def first(self) -> KeySpace:
-        return self._spaces[0]
 
     @property
     def complete(self) -> bool:
@@ -40,6 +40,8 @@ class StageSpaces:
 
     def reset(self, first: KeySpace) -> None:
         """A new first stage (a simulator's TP override): the later stages are learnt again."""
+        self.first = first
+        self.known = [first]
         self._spaces = {0: first}
 
     def learn(self, layers: Mapping[int, Sequence[str]]) -> bool:
@@ -49,20 +51,24 @@ class StageSpaces:
             if 0 < stage < self.stages and stage not in self._spaces:
                 self._spaces[stage] = self.first.of_layers(names)
                 new = True
+        if new:
+            self.known = [space for _, space in sorted(self._spaces.items())]
         return new
 
-    def items(self) -> Iterator[tuple[int, KeySpace]]:
-        """(stage, key space) of every stage known, first stage first."""
-        return iter(sorted(self._spaces.items()))
+    def every_stage(self, first: KeySpace) -> list[KeySpace] | None:
+        """Every stage's key space in stage order, ``first`` as the first stage's (a part of its values,
+        where they are stored in parts: then there is one stage); None while one is not known yet."""
+        if len(self.known) != self.stages:
+            return None
+        return [first, *self.known[1:]] if self.stages > 1 else [first]
 
-    def with_first(self, first: KeySpace) -> Iterator[tuple[int, KeySpace]]:
-        """:meth:`items` with ``first`` as the first stage's space (a part of its values, where they are
-        stored in parts: then there is one stage)."""
-        for stage, space in self.items():
-            yield stage, first if stage == 0 else space
-
-    def keys_of(self, value_hashes: Sequence[bytes]) -> Iterator[tuple[str, bytes]]:
+    def keys_of(self, value_hashes: Sequence[bytes]) -> list[tuple[str, bytes]]:
         """(store key, value hash) of every known stage's distinct keys of ``value_hashes``."""
-        for _, space in self.items():
+        out: list[tuple[str, bytes]] = []
+        for space in self.known:
             for rank in range(space.keys_per_value):
-                yield from zip(space.store_keys(value_hashes, rank), value_hashes, strict=True)
+                if len(value_hashes) == 1:  # (one value: the events' path, value by value)
+                    out.append((space.store_key(value_hashes[0], rank), value_hashes[0]))
+                else:
+                    out.extend(zip(space.store_keys(value_hashes, rank), value_hashes, strict=True))
+        return out

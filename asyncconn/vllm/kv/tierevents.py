@@ -19,7 +19,7 @@ model, the part every value has); a value is published when every rank's tier ho
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,7 +36,7 @@ class Holdings(Protocol):
     """What the scheduler knows a tier holds: the host tiers' :class:`~asyncconn.vllm.kv.tiernews.TierMirror`,
     the local store's :class:`~asyncconn.vllm.kv.localevents.LocalMirror`."""
 
-    def keys_of(self, value_hashes: Sequence[bytes]) -> Iterator[tuple[str, bytes]]: ...
+    def keys_of(self, value_hashes: Sequence[bytes]) -> list[tuple[str, bytes]]: ...
 
     def everywhere(self, part: int, value_hash: bytes) -> bool: ...
 

@@ -31,7 +31,7 @@ under the store's source. A claimed value deleted as damaged is read from the st
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from asyncconn.hosttier import HostLRU
 from asyncconn.vllm.kv.hostclaims import PlannedTokens
@@ -127,15 +127,18 @@ class TierMirror:
     def everywhere(self, part: int, value_hash: bytes) -> bool:
         """Whether every worker's tier holds its key of part ``part`` of the value ``value_hash`` (every
         stage's: False while a stage's key space is not known yet)."""
-        if not self.spaces.complete:
+        spaces = self.spaces.every_stage(self.parts.keys[part])
+        if spaces is None:
             return False
-        for stage, space in self.spaces.with_first(self.parts.keys[part]):
-            for rank in range(self._tp):
-                if space.store_key(value_hash, rank) not in self._held.get(stage * self._tp + rank, ()):
+        held, tp = self._held, self._tp
+        for stage, space in enumerate(spaces):
+            for rank in range(tp):
+                keys = held.get(stage * tp + rank)
+                if keys is None or space.store_key(value_hash, rank) not in keys:
                     return False
         return True
 
-    def keys_of(self, value_hashes: Sequence[bytes]) -> Iterator[tuple[str, bytes]]:
+    def keys_of(self, value_hashes: Sequence[bytes]) -> list[tuple[str, bytes]]:
         """(key, value hash) of every worker's key of ``value_hashes`` (their first parts)."""
         return self.spaces.keys_of(value_hashes)
 
