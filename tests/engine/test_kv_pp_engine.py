@@ -30,6 +30,14 @@ from tests.servers import RedisServer
 PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
 #: The prompts' shared prefix (``shared_prefix_prompts``: 96 tokens) is blocks 0-2; 3 to 5 are each prompt's.
 OWN_BLOCKS = range(3, FULL_BLOCKS)
+#: Distinct full-block values of the prompts: the shared prefix's once, each prompt's own.
+VALUES = len({tuple(p[: (b + 1) * BLOCK_SIZE]) for p in PROMPTS for b in range(FULL_BLOCKS)})
+
+
+@pytest.fixture(autouse=True)
+def _a_core_per_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stage's worker on a core of its own (``_pp_llm`` needs it)."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 
 
 def _stage_ready(worker: Any) -> int:
@@ -45,17 +53,26 @@ def _stage_ready(worker: Any) -> int:
     return int(get_pp_group().rank_in_group)
 
 
-def _drop_own_values(worker: Any, block_hashes: list[bytes], stage: int) -> int:
-    """In a worker process: on pipeline stage ``stage`` only, delete from the store this stage's values of
-    ``block_hashes`` past the shared prefix (:data:`OWN_BLOCKS`); how many were there."""
+def _own_keys(block_hashes: list[bytes], stage: int) -> tuple[Any, list[str]] | None:
+    """In a worker process: on pipeline stage ``stage`` only, its KV worker side and the store keys of its
+    values of ``block_hashes`` past the shared prefix (:data:`OWN_BLOCKS`); None on another stage."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.distributed.parallel_state import get_pp_group
 
     if get_pp_group().rank_in_group != stage:
-        return 0
+        return None
     side = get_kv_transfer_group().worker_side
     values = side.keys.value_hashes(block_hashes)  # one value per block (kv_blocks_per_value=1)
-    keys = side.keys.store_keys([values[b] for b in OWN_BLOCKS], 0)
+    return side, side.keys.store_keys([values[b] for b in OWN_BLOCKS], 0)
+
+
+def _drop_own_values(worker: Any, block_hashes: list[bytes], stage: int) -> int:
+    """In a worker process: on stage ``stage`` only, delete its own values (:func:`_own_keys`) from the
+    store; how many were there."""
+    own = _own_keys(block_hashes, stage)
+    if own is None:
+        return 0
+    side, keys = own
     return int(side.runtime.run(side.store.delete(keys), timeout=30.0))
 
 
@@ -76,19 +93,12 @@ def _tier_figures(worker: Any) -> dict[str, int]:
 
 
 def _remove_own_values(worker: Any, block_hashes: list[bytes], stage: int) -> int:
-    """In a worker process: on stage ``stage`` only, delete this stage's values of ``block_hashes`` past the
-    shared prefix from the store and report them removed, as a store's removal hook does (its keys are that
-    stage's own); how many were there."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-    from vllm.distributed.parallel_state import get_pp_group
-
-    if get_pp_group().rank_in_group != stage:
-        return 0
-    side = get_kv_transfer_group().worker_side
-    values = side.keys.value_hashes(block_hashes)
-    keys = side.keys.store_keys([values[b] for b in OWN_BLOCKS], 0)
-    removed = int(side.runtime.run(side.store.delete(keys), timeout=30.0))
-    side.report_removed(keys)
+    """In a worker process: on stage ``stage`` only, delete its own values from the store and report them
+    removed, as a store's removal hook does (its keys are that stage's own); how many were there."""
+    removed = _drop_own_values(worker, block_hashes, stage)
+    own = _own_keys(block_hashes, stage)
+    if own is not None:
+        own[0].report_removed(own[1])
     return removed
 
 
@@ -111,7 +121,6 @@ def test_pp2_each_stage_saves_and_loads_its_own_layers_and_a_stage_missing_a_val
     kv_reference: dict[str, Any],
     engines: list[Any],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Engine 1 (two stages) computes and saves: each stage every value of its own layers, and vLLM's KV
     events publish every value as stored (both stages' reports reach the scheduler). Then the second
@@ -121,9 +130,8 @@ def test_pp2_each_stage_saves_and_loads_its_own_layers_and_a_stage_missing_a_val
     one-stage connector-less engine's."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     url = f"file://{tmp_path / 'store'}"
-    values = len({tuple(p[: (b + 1) * BLOCK_SIZE]) for p in PROMPTS for b in range(FULL_BLOCKS)})  # 3 + 4 x 3
+    values = VALUES
 
     events_config, _, replay_port = routers.events_config()
     first = _pp_llm(text_model, url, kv_events_config=events_config)
@@ -168,7 +176,6 @@ def test_pp2_every_stages_host_tier_is_followed_and_a_later_stages_removals_are_
     kv_reference: dict[str, Any],
     engines: list[Any],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two stages, each worker with a host tier, KV events on. The scheduler learns the second stage's keys
     from its workers' reports (its layers), so:
@@ -181,9 +188,8 @@ def test_pp2_every_stages_host_tier_is_followed_and_a_later_stages_removals_are_
     """
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     url = f"file://{tmp_path / 'store'}"
-    values = len({tuple(p[: (b + 1) * BLOCK_SIZE]) for p in PROMPTS for b in range(FULL_BLOCKS)})
+    values = VALUES
     events_config, _, replay_port = routers.events_config()
     llm = _pp_llm(text_model, url, kv={"host_cache_bytes": "64MiB"}, kv_events_config=events_config)
     engines.append(llm)
@@ -213,16 +219,12 @@ def test_pp2_every_stages_host_tier_is_followed_and_a_later_stages_removals_are_
 
 
 def _drop_local_copies(worker: Any, block_hashes: list[bytes], stage: int) -> int:
-    """In a worker process: on stage ``stage`` only, delete from this host's local store (not the shared
-    one) this stage's copies of ``block_hashes``' values past the shared prefix; how many were there."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-    from vllm.distributed.parallel_state import get_pp_group
-
-    if get_pp_group().rank_in_group != stage:
+    """In a worker process: on stage ``stage`` only, delete its own values' copies from this host's local
+    store (not the shared one); how many were there."""
+    own = _own_keys(block_hashes, stage)
+    if own is None:
         return 0
-    side = get_kv_transfer_group().worker_side
-    values = side.keys.value_hashes(block_hashes)
-    keys = side.keys.store_keys([values[b] for b in OWN_BLOCKS], 0)
+    side, keys = own
     return int(side.runtime.run(side.store.layered.local.delete(keys), timeout=30.0))
 
 
@@ -234,15 +236,13 @@ def test_pp2_a_value_counts_as_disk_only_when_every_stage_holds_it_locally(
     engines: list[Any],
     tmp_path: Path,
     fresh_redis: RedisServer,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two stages over ``redis://`` with a local directory in front (``local_store_url``): the scheduler
     asks the directory for every stage's keys (the second stage's learnt from its workers' reports). A pass
     after vLLM's own cache is reset loads every value from the directory, all counted as ``disk``; with the
     second stage's local copies of three values deleted, the next pass counts those three under redis's
     source (``external_unspecified``) -- the second stage read them from redis -- and the rest as ``disk``."""
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    values = len({tuple(p[: (b + 1) * BLOCK_SIZE]) for p in PROMPTS for b in range(FULL_BLOCKS)})
+    values = VALUES
     llm = _pp_llm(text_model, fresh_redis.url, kv={"local_store_url": f"file://{tmp_path / 'local'}"})
     engines.append(llm)
     run_prompts(llm, PROMPTS)

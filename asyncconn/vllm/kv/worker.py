@@ -53,7 +53,7 @@ from asyncconn.exceptions import AsyncConnError, ConfigError
 from asyncconn.runtime import Runtime
 from asyncconn.scattered import Scattered
 from asyncconn.store import TensorStore
-from asyncconn.transfer import LoadResult, SaveTracker, StreamLoader, TensorSpec
+from asyncconn.transfer import Failure, LoadResult, SaveTracker, StreamLoader, TensorSpec
 from asyncconn.transfer.purge import Purger
 from asyncconn.vllm.kv.events import SavedReport, SaveReports
 from asyncconn.vllm.kv.failures import LoadFailures, load_failures
@@ -407,6 +407,10 @@ class KVWorkerSide:
         else:
             self._stats.add("load_failures")
             log.debug("KV value %s not loaded (%s): %s", result.key, result.failure, result.detail)
+            if result.failure is Failure.MISS:
+                # The lookup found it and the store has lost it since: a removal routers hear of (with
+                # events on), also from stores that never report their own (Mooncake's evictions).
+                self.report_removed([result.key])
         block_size = self.keys.identity.block_size
         for rid, ref in fetch.targets:
             load = self._req_loads.get(rid)

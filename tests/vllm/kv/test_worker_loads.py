@@ -19,6 +19,7 @@ from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import CpuDevice, PinnedPool, SaveTracker, StreamLoader
 from asyncconn.vllm.kv.connector import AsyncConnKVConnector
+from asyncconn.vllm.kv.events import SaveReports
 from asyncconn.vllm.kv.in_place import InPlaceLanding
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, LoadSpec, SaveSpec, ValueRef
@@ -53,6 +54,7 @@ def _worker(
     windowed: bool = False,
     num_groups: int = 1,
     host_cache_bytes: int = 0,
+    events: bool = False,
 ) -> tuple[KVWorkerSide, KeySpace, dict[str, torch.Tensor]]:
     """A worker on host caches of ``[NUM_BLOCKS, 2, 16, 8]`` per layer (``kv_outer``: ``[2, NUM_BLOCKS, 16,
     8]``, K and V apart, vLLM's other layout)."""
@@ -74,6 +76,7 @@ def _worker(
         num_blocks=NUM_BLOCKS,
         windowed=windowed,
         num_groups=num_groups,
+        events=SaveReports() if events else None,
     )
     shape = (2, NUM_BLOCKS, 16, 8) if kv_outer else (NUM_BLOCKS, 2, 16, 8)
     caches = {n: torch.zeros(shape) for n in LAYERS}
@@ -623,6 +626,21 @@ def test_a_failed_load_is_reported_as_blocks_with_one_group_and_as_the_request_w
     else:
         assert (blocks, requests) == (set(), {"bad"})
     assert worker.take_failed_recving() == set()  # reported once
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
+
+
+def test_a_value_the_store_lost_since_its_lookup_is_reported_removed(runtime: Runtime) -> None:
+    """With KV events on, a load that finds its value gone (a miss: the store let it go after the lookup
+    found it) reports the key as removed, so routers hear of evictions a store never reports itself
+    (Mooncake's); the value that loaded is not reported."""
+    worker, keys, _ = _worker(runtime, 1, events=True)
+    (good,) = _put_values(runtime, worker, keys, 1)
+    missing = ValueRef(b"\x09" * 32, (0,), ((5,),))
+    worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("r", (good, missing))]))
+    _receive(worker, "r")
+    report = worker.events_report()
+    assert report is not None and report.removed == [keys.store_key(missing.value_hash, 0)]
     worker.close()
     assert not any(worker.held().values()), worker.held()
 
