@@ -88,7 +88,7 @@ EXISTS: Mode[tuple[bool, ...]] = Mode(Kind.EXISTS)
 class _Entry:
     """One lookup: the caller creates it and sets ``discarded``; the loop fills ``wid`` and ``result``."""
 
-    __slots__ = ("deadline", "discarded", "keys", "result", "t0", "waiter", "wid")
+    __slots__ = ("by_store", "deadline", "discarded", "keys", "result", "t0", "waiter", "wid")
 
     def __init__(self, keys: tuple[Key, ...], t0: float, deadline: float) -> None:
         self.keys = keys
@@ -96,6 +96,7 @@ class _Entry:
         self.deadline = deadline
         self.wid = -1
         self.result: object = _PENDING
+        self.by_store = False  # the store answered (not a miss made up for a timeout, an error, a refusal)
         self.discarded = False
         self.waiter: threading.Event | None = None
 
@@ -166,6 +167,13 @@ class LookupClient(Generic[R]):
 
     def poll(self, request_id: str) -> R | None:
         """The answer, consumed (a second poll returns None); None while outstanding or if never submitted."""
+        got = self.poll_answer(request_id)
+        return None if got is None else got[0]
+
+    def poll_answer(self, request_id: str) -> tuple[R, bool] | None:
+        """:meth:`poll`, and whether the store gave that answer: False for the miss served in its stead
+        when the lookup timed out, failed or was refused (a caller that acts on a miss must tell them
+        apart)."""
         entry = self._entries.get(request_id)
         if entry is None:
             return None
@@ -175,7 +183,7 @@ class LookupClient(Generic[R]):
         del self._entries[request_id]
         if not self._entries:
             self._entries = {}  # dicts never shrink: drop the table a burst grew
-        return cast(R, result)
+        return cast(R, result), entry.by_store
 
     def lookup(self, request_id: str, keys: Sequence[Key]) -> R | None:
         """Submit if new, then poll: what ``get_num_new_matched_tokens`` calls on every step."""
@@ -346,6 +354,7 @@ class LookupClient(Generic[R]):
             else:
                 metrics.misses += 1
             metrics.observe(now - entry.t0)
+            entry.by_store = True  # (before the result: the caller reads it once the result is there)
             self._resolve(entry, value)
         if not inflight:
             self._inflight = {}

@@ -158,6 +158,25 @@ def test_sync_mode_refuses_the_loop_thread(rt: Runtime) -> None:
     client.close()
 
 
+def test_poll_answer_says_whether_the_store_gave_the_answer(rt: Runtime) -> None:
+    """A real answer, a garbage reply, a timeout and a refusal: only the first is the store's."""
+    client, fake = make(rt, timeout=0.2, max_pending=3)
+    for rid in ("real", "garbage", "late"):
+        client.submit(rid, keys_for(2))
+    client.submit("refused", keys_for(2))  # past max_pending: a miss at once
+    rt.run(noop())
+    wreal, wgarbage, _ = sorted(fake.pending)
+    rt.run(fake.answer(wreal, 1, keep=True))
+    rt.run(fake.answer(wgarbage, 99, keep=True))
+    wait_until(lambda: client.metrics.timeouts == 1)
+    assert client.poll_answer("real") == (1, True)
+    assert client.poll_answer("garbage") == (0, False)
+    assert client.poll_answer("late") == (0, False)
+    assert client.poll_answer("refused") == (0, False)
+    assert client.poll_answer("real") is None  # consumed
+    client.close()
+
+
 def test_max_pending_rejects_as_miss(rt: Runtime) -> None:
     client, fake = make(rt, max_pending=2)
     for rid in ("a", "b", "c"):

@@ -129,6 +129,7 @@ class KVSchedulerSide:
         self._hits: dict[str, int] = {}  # request id -> values present, answered and not yet allocated
         # request id -> (the hit whose window parts are being asked about, window questions answered so far)
         self._probes: dict[str, tuple[int, int]] = {}
+        self._by_store = False  # whether the store gave the last answer ``_ask`` returned (see ``_absent``)
         self._local: dict[str, int] = {}  # request id -> values in vLLM's own prefix cache, until allocated
         self._loads: list[LoadSpec] = []  # planned since the last build_connector_meta
         self._via_recv: set[str] = set()  # finished while loading, since the last build_connector_meta
@@ -187,7 +188,12 @@ class KVSchedulerSide:
         parts = self.parts
         if parts.window is None:
             answer = self._ask(rid, self.keys, hashes[:usable])
-            return None if answer is None else min(answer // self.keys.keys_per_value, usable)
+            if answer is None:
+                return None
+            present = min(answer // self.keys.keys_per_value, usable)
+            if present < usable:
+                self._absent(hashes[present])
+            return present
         probe = self._probes.get(rid)
         if probe is not None:
             n, asked = probe
@@ -222,8 +228,9 @@ class KVSchedulerSide:
     def _ask(self, rid: str, space: KeySpace, value_hashes: list[bytes]) -> int | None:
         lookup = self.lookup
         assert lookup is not None
+        self._by_store = False
         if lookup.pending(rid):
-            return lookup.poll(rid)
+            return self._answer(lookup, rid)
         keys = space.lookup_keys(value_hashes)
         if self.local_store is not None:  # one-part values only: ``space`` is ``self.keys``
             local = self._local_keys(value_hashes, keys)
@@ -232,7 +239,21 @@ class KVSchedulerSide:
         if self.sync_lookup:
             return lookup.lookup_sync(rid, keys)
         lookup.submit(rid, keys)
-        return lookup.poll(rid)
+        return self._answer(lookup, rid)
+
+    def _answer(self, lookup: LookupClient[int], rid: str) -> int | None:
+        got = lookup.poll_answer(rid)
+        if got is None:
+            return None
+        answer, self._by_store = got
+        return answer
+
+    def _absent(self, value_hash: bytes) -> None:
+        """The store answered that ``value_hash`` is missing (the first value past a hit): if this engine
+        announced it stored, it has left the store -- how routers hear of removals a store never reports
+        (Mooncake's evictions, a value deleted behind the store's back)."""
+        if self._by_store and self.events is not None:
+            self.events.removed((value_hash,))
 
     def _local_keys(self, value_hashes: list[bytes], keys: list[bytes]) -> list[bytes] | None:
         """The local store's question: ``keys`` on one stage; under pipeline parallelism every stage's

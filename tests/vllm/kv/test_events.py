@@ -362,3 +362,60 @@ def test_a_redis_value_the_server_expired_is_announced_removed(make_sim: Any, re
     assert set(hashes) <= got <= set(hashes) | b_hashes  # "b"'s own value may expire meanwhile too
     assert {(e.medium, e.locality, e.ownership) for e in removed} == {("CPU", "REMOTE", "asyncconn:redis")}
     assert leaks(sim) == []
+
+
+def test_a_value_a_lookup_finds_missing_is_announced_removed(make_sim: Any, tmp_path: Path) -> None:
+    """A store that never reports its removals (a file deleted behind ``file://``'s back here; Mooncake's
+    evictions in production): the next lookup of the prompt answers that value 2 is missing, and the
+    engine announces exactly that value removed from the store's residency. A lookup that timed out is
+    not taken for a miss: nothing is announced then."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    sim = make_sim(kv=kv_spec(f"file://{tmp_path}"), kv_events=True)
+    published = _Published()
+    sim.scheduler.kv_event_publisher = published
+    tokens = prompt(13, 4 * 16 + 3)
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    hashes = [maybe_convert_block_hash(h) for h in _request("h", tokens).block_hashes]
+    assert [h for e in published.ours("STORAGE") for h in e.block_hashes] == hashes
+    worker = sim.workers[0].kv_connector.worker_side
+    value_hashes = worker.keys.value_hashes(_request("h", tokens).block_hashes)
+    backend = worker.store.backend
+    Path(backend._path(worker.keys.store_key(value_hashes[2], 0))).unlink()  # no removal hook hears this
+
+    assert sim.scheduler.reset_prefix_cache()
+    sim.add_request("b", [*tokens, 7], max_tokens=2)
+    run_checked(sim)
+    removed = [e for b in published.batches for e in b.events if isinstance(e, BlockRemoved)]
+    assert [h for e in removed for h in e.block_hashes] == [hashes[2]]
+    assert {(e.medium, e.ownership) for e in removed} == {("STORAGE", "asyncconn:file")}
+    assert leaks(sim) == []
+
+
+def test_a_lookup_that_failed_announces_nothing(make_sim: Any, tmp_path: Path) -> None:
+    """The miss a lookup serves when the store did not answer (timeout, error) is not the store saying the
+    value is gone: no ``BlockRemoved``."""
+    from asyncconn.lookup.client import LookupClient
+
+    sim = make_sim(kv=kv_spec(f"file://{tmp_path}"), kv_events=True)
+    published = _Published()
+    sim.scheduler.kv_event_publisher = published
+    tokens = prompt(14, 3 * 16 + 3)
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    assert published.ours("STORAGE")
+    lookup = sim.scheduler.connector.scheduler_side.lookup
+    assert isinstance(lookup, LookupClient)
+    real = lookup.poll_answer
+
+    def failed(rid: str) -> tuple[int, bool] | None:
+        got = real(rid)
+        return None if got is None else (0, False)  # a miss served in the store's stead
+
+    lookup.poll_answer = failed  # type: ignore[method-assign]
+    assert sim.scheduler.reset_prefix_cache()
+    sim.add_request("b", [*tokens, 7], max_tokens=2)
+    run_checked(sim)
+    assert not [e for b in published.batches for e in b.events if isinstance(e, BlockRemoved)]
+    assert leaks(sim) == []
