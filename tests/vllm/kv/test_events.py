@@ -364,19 +364,24 @@ def test_a_redis_value_the_server_expired_is_announced_removed(make_sim: Any, re
     assert leaks(sim) == []
 
 
-def test_a_value_a_lookup_finds_missing_is_announced_removed(make_sim: Any, tmp_path: Path) -> None:
-    """A store that never reports its removals (a file deleted behind ``file://``'s back here; Mooncake's
-    evictions in production): the next lookup of the prompt answers that value 2 is missing, and the
-    engine announces exactly that value removed from the store's residency. A lookup that timed out is
-    not taken for a miss: nothing is announced then."""
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
+def _saved_with_events(make_sim: Any, tmp_path: Path, tokens: list[int]) -> tuple[Any, _Published]:
+    """A simulated engine on ``file://`` with KV events on that has computed and saved ``tokens``."""
     sim = make_sim(kv=kv_spec(f"file://{tmp_path}"), kv_events=True)
     published = _Published()
     sim.scheduler.kv_event_publisher = published
-    tokens = prompt(13, 4 * 16 + 3)
     sim.add_request("a", tokens, max_tokens=2)
     run_checked(sim)
+    return sim, published
+
+
+def test_a_value_a_lookup_finds_missing_is_announced_removed(make_sim: Any, tmp_path: Path) -> None:
+    """A store that never reports its removals (a file deleted behind ``file://``'s back here; Mooncake's
+    evictions in production): the next lookup of the prompt answers that value 2 is missing, and the
+    engine announces exactly that value removed from the store's residency."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    tokens = prompt(13, 4 * 16 + 3)
+    sim, published = _saved_with_events(make_sim, tmp_path, tokens)
     hashes = [maybe_convert_block_hash(h) for h in _request("h", tokens).block_hashes]
     assert [h for e in published.ours("STORAGE") for h in e.block_hashes] == hashes
     worker = sim.workers[0].kv_connector.worker_side
@@ -398,12 +403,8 @@ def test_a_lookup_that_failed_announces_nothing(make_sim: Any, tmp_path: Path) -
     value is gone: no ``BlockRemoved``."""
     from asyncconn.lookup.client import LookupClient
 
-    sim = make_sim(kv=kv_spec(f"file://{tmp_path}"), kv_events=True)
-    published = _Published()
-    sim.scheduler.kv_event_publisher = published
     tokens = prompt(14, 3 * 16 + 3)
-    sim.add_request("a", tokens, max_tokens=2)
-    run_checked(sim)
+    sim, published = _saved_with_events(make_sim, tmp_path, tokens)
     assert published.ours("STORAGE")
     lookup = sim.scheduler.connector.scheduler_side.lookup
     assert isinstance(lookup, LookupClient)
