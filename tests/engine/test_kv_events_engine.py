@@ -199,3 +199,35 @@ def test_a_router_sees_the_local_store_apart_from_the_shared_one(
     assert_idle(probe)
     held = router()
     assert held[here] & set(want) == on_disk() == set(want)
+
+
+def test_a_value_deleted_behind_the_stores_back_is_announced_removed_at_the_next_lookup(
+    text_model: Path, engines: list[Any], tmp_path: Path
+) -> None:
+    """A store that never reports a removal (a file deleted behind ``file://``'s back here, as Mooncake
+    evicts without telling): when the engine next looks the prompt up, the store answers that value 2 is
+    missing, and a router replaying vLLM's publisher drops exactly that value from the store's residency."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    events_config, _, replay_port = routers.events_config()
+    llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{tmp_path}"), kv_events_config=events_config)
+    engines.append(llm)
+    prompt = PROMPTS[0]
+    generate(llm, [prompt])
+    probe = Probe(llm)
+    assert_idle(probe)
+    store = ("STORAGE", "asyncconn:file")
+    block_hashes = probe.block_hashes(prompt)[:FULL_BLOCKS]
+    want = [maybe_convert_block_hash(h) for h in block_hashes]
+    assert routers.residency(routers.replayed_batches(replay_port))[store] == set(want)
+    worker = probe.kv_worker_connector().worker_side
+    value_hashes = worker.keys.value_hashes(block_hashes)  # one value per block
+    Path(worker.store.backend._path(worker.keys.store_key(value_hashes[2], 0))).unlink()
+
+    assert llm.reset_prefix_cache()  # vLLM's own cache forgets the prompt: it is looked up again
+    generate(llm, [prompt])
+    assert_idle(probe)
+    held = routers.residency(routers.replayed_batches(replay_port))[store]
+    assert held == set(want) - {want[2]}
+    there = worker.runtime.run(worker.store.exists([worker.keys.store_key(h, 0) for h in value_hashes]))
+    assert held == {h for h, present in zip(want, there, strict=True) if present}  # what the store holds
