@@ -262,6 +262,13 @@ class StorageBackend(abc.ABC):
                 sink(target)
         return total
 
+    #: True when :meth:`get_into` writes the caller's memory only on the event loop and nothing after it
+    #: is cancelled: a read that hangs can be abandoned at once. A CPU engine then reads this store's values
+    #: straight into its KV blocks (in-place loads), as it does from a page cache, instead of through
+    #: staging and a copy on vLLM's thread. Not a backend whose reads run on threads or lend the memory to
+    #: a transfer engine: those cannot let go of the blocks on time.
+    cancellable_reads: ClassVar[bool] = False
+
     #: True when :meth:`get_into_many` beats one :meth:`get_into` per value (one job for the batch).
     batch_reads: ClassVar[bool] = False
 

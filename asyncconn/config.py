@@ -172,7 +172,7 @@ class Settings:
         parse_count,
         64,
         "store reads running at once per worker; more wait on the loop, not for an engine step "
-        "(in-place KV loads are not held back)",
+        "(in-place KV loads from a page cache are not held back)",
     )
     save_skip_existing: bool = _opt(parse_bool, True, "skip saving keys the store already has")
     arrival_timeout: float = _opt(

@@ -272,6 +272,12 @@ class TensorStore:
         """Whether :meth:`read_into_many` can serve ``cached_only`` reads (``file://``: the page cache)."""
         return self.backend.cached_reads and self.backend.reads_into
 
+    @property
+    def cancellable_reads(self) -> bool:
+        """Whether a read into the caller's memory stops writing it once cancelled (``redis://``: see
+        ``StorageBackend.cancellable_reads``)."""
+        return self.backend.cancellable_reads and self.backend.reads_into
+
     async def _read_one(self, key: str, out: torch.Tensor | Scattered) -> Fetch:
         if not isinstance(out, Scattered):
             return await self.read_into(key, out)

@@ -26,6 +26,10 @@ class DirectLoads(abc.ABC):
     :meth:`check`, :meth:`started`, :meth:`landed` and :meth:`totals` on the worker, :meth:`read` on the
     loop."""
 
+    #: Whether this kind's store calls take the loader's call slots (``max_inflight``) as staged reads do:
+    #: reads that wait on a network; memory copies need none.
+    held: bool = False
+
     def __init__(self, loader: StreamLoader) -> None:
         self.loader = loader
 

@@ -1,9 +1,17 @@
 """In-place loads: a :class:`~asyncconn.scattered.Scattered` destination, read straight into a host KV cache.
 
-The store reads the value straight into the caller's memory, the pieces in order, in groups with
-``cached_only`` (nothing that could wait for a disk), and the result is reported as soon as the read has
-ended: no staging buffer, no device copy, so a host device only. A load not served from memory fails
-``NOT_CACHED`` (load it another way). Plugged into the loader through :mod:`asyncconn.transfer.direct`.
+The store reads the value straight into the caller's memory, the pieces in order, and the result is
+reported as soon as the read has ended: no staging buffer, no device copy, so a host device only. How the
+reads go is chosen once per loader, by its store (:func:`in_place_loads`):
+
+* :class:`InPlaceLoads` (a store that serves reads from memory: ``file://``'s page cache): in groups with
+  ``cached_only``, nothing that could wait for a disk. A load not served from memory fails ``NOT_CACHED``
+  (load it another way).
+* :class:`RemoteInPlaceLoads` (a store whose reads can be abandoned: ``redis://``,
+  ``StorageBackend.cancellable_reads``): one store call per value, each in a call slot like a staged read,
+  and each stopped at once when its owner lets it go (``StreamLoader.interrupt``).
+
+Plugged into the loader through :mod:`asyncconn.transfer.direct`.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from asyncconn.transfer.direct import DirectLoads, register
 if TYPE_CHECKING:
     from asyncconn.transfer.loader import StreamLoader
 
-__all__ = ["IN_PLACE_GROUP_BYTES", "InPlaceLoads"]
+__all__ = ["IN_PLACE_GROUP_BYTES", "InPlaceLoads", "RemoteInPlaceLoads", "in_place_loads"]
 
 #: The most bytes one store call reads for in-place loads (``Scattered`` destinations); a batch's in-place
 #: loads are cut into as few groups of even size as this allows. Larger than the loader's ``GROUP_BYTES``:
@@ -69,4 +77,32 @@ class InPlaceLoads(DirectLoads):
         return {"loaded_in_place": self.loaded, "reads_in_place": self.reads}
 
 
-register(Scattered, InPlaceLoads)
+class RemoteInPlaceLoads(InPlaceLoads):
+    """In-place loads from a store whose reads can be abandoned (``TensorStore.cancellable_reads``).
+
+    Each value is its own store call, so each can be stopped on its own (``StreamLoader.interrupt``) and a
+    request let go of is not held for its neighbours' reads; the calls take the loader's call slots
+    (``max_inflight``) as staged reads do, so a long prefix waits for a slot instead of running into the
+    store's timeout behind its own values.
+    """
+
+    held = True
+
+    def group_limit(self, total: int) -> int:
+        return 1  # every value a group of its own
+
+    async def read(self, items: Sequence[tuple[str, Any]]) -> list[Fetch]:
+        return await self.loader.store.read_into_many(items)
+
+
+def in_place_loads(loader: StreamLoader) -> InPlaceLoads:
+    """How this loader reads in place: from memory where its store serves reads from memory, else read by
+    read where its store's reads can be abandoned. (:class:`InPlaceLoads` over another store fails every
+    read ``NOT_CACHED``; the KV worker does not read in place there.)"""
+    store = loader.store
+    if not store.cached_reads and store.cancellable_reads:
+        return RemoteInPlaceLoads(loader)
+    return InPlaceLoads(loader)
+
+
+register(Scattered, in_place_loads)

@@ -314,6 +314,17 @@ class StreamLoader:
             load.out = None  # allocated on the side stream: freeing it while the copy runs is safe
         return True
 
+    def interrupt(self, key: str) -> None:
+        """Stop a direct load's read now, where its kind's reads can be abandoned (a remote in-place read
+        whose request was let go of): its result still comes from :meth:`poll`, a failure unless it had
+        landed, and once it has come nothing writes the caller's memory. Anything else reads on to its end.
+        """
+        load = self._loads.get(key)
+        if load is None or load.direct is None or not load.direct.held or load.state != _FETCHING:
+            return
+        with contextlib.suppress(RuntimeClosed):
+            self.runtime.call_soon(_cancel_on_loop, load)
+
     def pending(self) -> int:
         """Loads submitted and neither reported nor cancelled."""
         return len(self._loads)
@@ -614,6 +625,8 @@ class StreamLoader:
         of one local read."""
         task = asyncio.ensure_future(self._fetch_group(loads))
         task.add_done_callback(functools.partial(self._group_done, loads))
+        if len(loads) == 1 and loads[0].direct is not None and loads[0].direct.held:
+            loads[0].task = task  # a read of its own that can be abandoned: ``interrupt`` stops it
         return task
 
     async def _fetch_group(self, loads: list[_Load]) -> None:
@@ -626,11 +639,12 @@ class StreamLoader:
             assert load.buf is not None and dest.dtype is not None and dest.shape is not None
             items.append((load.key, load.buf.view(dest.dtype, dest.shape)))
         direct = loads[0].direct  # a group is all of one direct kind or all staged
-        if direct is not None:  # not held back by ``max_inflight``, which bounds the staging in use
+        if direct is not None and not direct.held:  # memory copies: ``max_inflight`` bounds staging in use
             statuses = await self._timed_call(loads, direct.read(items))
         else:
             async with self._call_slot():
-                statuses = await self._timed_call(loads, self.store.read_into_many(items))
+                read = self.store.read_into_many(items) if direct is None else direct.read(items)
+                statuses = await self._timed_call(loads, read)
         for status, load in zip(statuses, loads, strict=True):
             load.fetched = self._outcome(status, load.dest.dtype, load.dest.shape)
         # The group at once, with one wake-up: a wake-up per value had the worker thread polling (and taking
@@ -652,6 +666,8 @@ class StreamLoader:
 
     def _group_done(self, loads: list[_Load], task: asyncio.Task[None]) -> None:
         """A group's task ended without handing its loads back (cancelled, or the store failed): do it."""
+        for load in loads:
+            load.task = None
         fetched = _unlanded(task)
         if fetched is not None:
             for load in loads:
@@ -813,7 +829,7 @@ def _copyable(load: _Load, like: _Load | None = None) -> bool:
 def _unlanded(task: asyncio.Task[None]) -> _Fetched | None:
     """Why a fetch task ended without handing its loads back (cancelled, or raised); None if it did not."""
     if task.cancelled():
-        return _Fetched(Failure.STORE_ERROR, "fetch cancelled (loader or runtime closed)")
+        return _Fetched(Failure.STORE_ERROR, "fetch cancelled (interrupted, or the loader or runtime closed)")
     if (exc := task.exception()) is not None:
         return _Fetched(*classify(exc))
     return None

@@ -122,6 +122,9 @@ class RedisBackend(StorageBackend):
 
     #: Chunk reads land in the caller's memory (through the fast reader; redis-py reads fall back to a copy).
     reads_into: ClassVar[bool] = True
+    #: A cancelled read closes its connection before it returns (``reader``: nothing lands after that; the
+    #: redis-py fallback copies only once the reply is in), so a CPU engine's loads land in place.
+    cancellable_reads: ClassVar[bool] = True
     #: AUTH with ``url.password`` (from the URL, ``password_env`` or ``password_file``).
     takes_password: ClassVar[bool] = True
 

@@ -217,6 +217,56 @@ def test_an_abort_while_a_read_writes_the_blocks_in_place_holds_them_until_the_r
     assert_idle(probe)
 
 
+def test_an_abort_while_a_redis_read_writes_the_blocks_in_place_stops_the_read(
+    text_model: Path,
+    engines: list[Any],
+    kv_reference: dict[str, Any],
+    fresh_redis: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``redis://`` on a CPU engine reads values straight into the request's cache blocks too. The store
+    stops answering (SIGSTOP) as the loads are issued, so the reads hang inside those blocks; the request is
+    aborted. Its reads are stopped at once: vLLM gets the request back while the store is still stopped,
+    long before the store's and the load's timeouts (60 s here). Afterwards everything is idle and the
+    engine loads byte for byte."""
+    save_prompts(text_model, fresh_redis.url)
+    timeouts = {"store_timeout": "60s", "load_timeout": "60s"}
+    url = f"{fresh_redis.url}?timeout=60s"  # the connection's own bound too
+    llm = make_llm(text_model, kv=kv_config(backend_url=url, **timeouts))
+    engines.append(llm)
+    probe = Probe(llm)
+    engine = llm.llm_engine
+    worker = probe.kv_worker_connector().worker_side
+    issue_loads = worker.issue_loads
+    paused: list[bool] = []
+
+    def issue_then_hang(meta: Any) -> Any:
+        if meta.loads and not paused:
+            paused.append(True)
+            fresh_redis.pause()  # before the reads are sent: they are in flight when it hangs
+        return issue_loads(meta)
+
+    monkeypatch.setattr(worker, "issue_loads", issue_then_hang)
+    try:
+        engine.add_request("held", {"prompt_token_ids": PROMPTS[0]}, sampling())
+        step_until(probe, lambda: worker.loader.totals()["reads_in_place"] > 0, "the in-place reads to start")
+        assert status_of(probe, "held") == "WAITING_FOR_REMOTE_KVS" and paused
+        engine.abort_request(["held"])
+        started = time.monotonic()
+        step_until(probe, lambda: not internal_ids(probe, "held"), "the aborted request to be released", 10)
+        assert time.monotonic() - started < 10  # the store is still stopped: nothing else ended the reads
+        assert worker.held()["req_loads"] == 0
+    finally:
+        fresh_redis.resume()
+    monkeypatch.undo()
+    assert_idle(probe)
+    assert generate(llm, PROMPTS) == kv_reference["tokens"]
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
+    assert worker.loader.totals()["loaded_in_place"] > 0
+    assert_idle(probe)
+
+
 @pytest.mark.parametrize("sync_loads", [False, True], ids=["async-loads", "sync-loads"])
 def test_corrupt_stored_values_are_recomputed(
     text_model: Path, engines: list[Any], kv_reference: dict[str, Any], tmp_path: Path, sync_loads: bool

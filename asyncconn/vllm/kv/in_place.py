@@ -1,14 +1,17 @@
-"""In-place loads: on a CPU engine over a store that serves reads from memory (``file://``'s page cache), a
-whole value is read straight into the request's blocks -- no staging buffer and no copy out of one.
+"""In-place loads: on a CPU engine over a store that serves reads from memory (``file://``'s page cache) or
+whose reads can be abandoned (``redis://``: ``StorageBackend.cancellable_reads``), a whole value is read
+straight into the request's blocks -- no staging buffer and no copy out of one on vLLM's thread.
 
 The destination is a :class:`~asyncconn.scattered.Scattered`: the value's bytes, layer by layer, are the
-blocks ``ref.block_ids`` of each layer in order (a run of consecutive ids is one piece). The loader groups
-such reads into ``cached_only`` store calls (memory copies, never a disk wait); a value the store would have
-had to wait for comes back ``NOT_CACHED`` and is fetched again through staging
-(:meth:`InPlaceLanding.fallback`).
+blocks ``ref.block_ids`` of each layer in order (a run of consecutive ids is one piece). From a page cache
+the loader groups such reads into ``cached_only`` store calls (memory copies, never a disk wait); a value
+the store would have had to wait for comes back ``NOT_CACHED`` and is fetched again through staging
+(:meth:`InPlaceLanding.fallback`). From a remote store each value is a read of its own
+(:mod:`asyncconn.transfer.in_place`).
 Another request wanting the same value copies it from the blocks it was read into. The worker keeps the
 reading request's load open until the read has ended, also when it was aborted or timed out meanwhile:
-vLLM frees or recomputes a request's blocks only after it is reported.
+vLLM frees or recomputes a request's blocks only after it is reported. A remote read is stopped then
+(``StreamLoader.interrupt``), so that wait is one cancellation, not the store's timeout.
 
 This is the one CPU-only load path; :func:`asyncconn.vllm.kv.loads.landing_for` is its one use.
 """
@@ -37,8 +40,9 @@ class InPlaceLanding(HostLanding):
 
     @staticmethod
     def possible(layout: CacheLayout, store: TensorStore) -> bool:
-        """A host cache whose layers are contiguous, over a store that serves reads from memory."""
-        return store.cached_reads and all(
+        """A host cache whose layers are contiguous, over a store that serves reads from memory or whose
+        reads can be abandoned."""
+        return (store.cached_reads or store.cancellable_reads) and all(
             c.device.type == "cpu" and c.is_contiguous() for c, _ in layout.caches
         )
 

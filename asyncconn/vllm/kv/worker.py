@@ -399,6 +399,8 @@ class KVWorkerSide:
             return
         value = result.tensor
         ok = result.ok and (value is not None or result.in_place)
+        if not ok and fetch.owner_dropped and not fetch.targets:
+            return  # a read stopped (or failed) after every request let go of it: nobody's failure
         if ok:
             self._stats.add("loads")
             self._stats.add("bytes_loaded", landing.staged.staging_nbytes)
@@ -429,7 +431,8 @@ class KVWorkerSide:
         """Detach a request from a fetch (cancelling the fetch when nobody else waits for it).
 
         A request whose blocks a fetch may be writing (its owner) keeps the key in ``remaining`` until the
-        read has ended (:meth:`_on_loaded`); such reads come from memory, so that is a memory copy away.
+        read has ended (:meth:`_on_loaded`): a memory copy away from a page cache; a remote read nobody else
+        waits for is stopped (``StreamLoader.interrupt``).
         """
         fetch = self._fetches.get(key)
         load = self._req_loads.get(rid)
@@ -454,10 +457,14 @@ class KVWorkerSide:
                     load.remaining.discard(key)
                 return
             fetch.owner_dropped = True
+            if not kept:  # nobody else waits for it: a read that can be abandoned stops now
+                self.loader.interrupt(key)
             return
         if load is not None:
             load.remaining.discard(key)
-        if not kept and not fetch.owner_dropped:
+        if not kept and fetch.owner_dropped:  # the dropped owner waits for this read alone: stop it
+            self.loader.interrupt(key)
+        elif not kept:
             del self._fetches[key]
             self.loader.cancel(key)
 
