@@ -622,7 +622,8 @@ class StreamLoader:
         """One task reads ``loads`` in one store call (a backend with ``batch_reads``), handing each back as
         the call ends. Their ``task`` stays None: cancelling one of them marks it only, and the worker drops
         its value when the group lands -- its buffer is being written until then, and a group is a few MiB
-        of one local read."""
+        of one local read. The exception: a direct load whose kind's reads can be abandoned is a group of
+        its own, and its ``task`` is this one, for :meth:`interrupt`."""
         task = asyncio.ensure_future(self._fetch_group(loads))
         task.add_done_callback(functools.partial(self._group_done, loads))
         if len(loads) == 1 and loads[0].direct is not None and loads[0].direct.held:

@@ -399,15 +399,14 @@ class KVWorkerSide:
             return
         value = result.tensor
         ok = result.ok and (value is not None or result.in_place)
-        if not ok and fetch.owner_dropped and not fetch.targets:
-            return  # a read stopped (or failed) after every request let go of it: nobody's failure
         if ok:
             self._stats.add("loads")
             self._stats.add("bytes_loaded", landing.staged.staging_nbytes)
             if result.in_place:
                 self._stats.add("loads_in_place")
         else:
-            self._stats.add("load_failures")
+            if fetch.targets or not fetch.owner_dropped:  # not a read stopped after everyone let go of it
+                self._stats.add("load_failures")
             log.debug("KV value %s not loaded (%s): %s", result.key, result.failure, result.detail)
             if result.failure is Failure.MISS:
                 # The lookup found it and the store has lost it since: a removal routers hear of (with
