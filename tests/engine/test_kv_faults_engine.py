@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+import redis
 from asyncconn_backends.file import FileBackend
 
+from asyncconn.transfer import Failure
 from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import (
     PROMPTS,
@@ -299,6 +301,42 @@ def test_corrupt_stored_values_are_recomputed(
     engines.remove(llm)
     assert_store_serves_cleanly(text_model, f"file://{root}", engines, kv_reference)
     assert BLOCK_SIZE == 32
+
+
+def test_corrupt_values_read_in_place_from_redis_are_recomputed(
+    text_model: Path, engines: list[Any], kv_reference: dict[str, Any], fresh_redis: RedisServer
+) -> None:
+    """Over ``redis://`` a CPU engine reads each value straight into the request's blocks, before its
+    checksum is known. Every stored value has one payload bit flipped in the server: each is refused and
+    deleted, its blocks recomputed (tokens and KV bytes equal the reference's), and what the engine saves
+    instead is good -- a third engine loads all of it with no failure."""
+    save_prompts(text_model, fresh_redis.url)
+    client = redis.Redis(port=fresh_redis.port)
+    damaged = 0
+    try:
+        for key in client.scan_iter(count=1000):
+            if client.type(key) != b"string" or client.strlen(key) < 1024:
+                continue  # KV values of this model are stored inline, whole
+            at = client.strlen(key) - 5
+            byte = cast(bytes, client.getrange(key, at, at))
+            client.setrange(key, at, bytes([byte[0] ^ 0x01]))
+            damaged += 1
+    finally:
+        client.close()
+    assert damaged >= len(PROMPTS)
+    llm = make_llm(text_model, kv=kv_config(backend_url=fresh_redis.url))
+    engines.append(llm)
+    probe = Probe(llm)
+    assert generate(llm, PROMPTS) == kv_reference["tokens"]
+    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
+        assert_same_kv(probe.prompt_kv(prompt), want)
+    loader = probe.kv_worker_connector().worker_side.loader
+    assert loader.failures[Failure.CORRUPT] >= damaged // 2, loader.failures  # shared values: read once
+    assert loader.totals()["reads_in_place"] > 0  # straight into the blocks vLLM then recomputed
+    assert_idle(probe)
+    close_llm(llm)
+    engines.remove(llm)
+    assert_store_serves_cleanly(text_model, fresh_redis.url, engines, kv_reference)
 
 
 def test_a_failed_sync_load_saves_nothing_computed_on_top_of_it(
