@@ -17,7 +17,7 @@ import pytest
 import redis
 from asyncconn_backends.file import FileBackend
 
-from asyncconn.transfer import Failure
+from asyncconn.transfer import Failure, StreamLoader
 from asyncconn_tools.engines import BLOCK_SIZE, Probe, close_llm, kv_config, make_llm
 from tests.engine.kvcase import (
     PROMPTS,
@@ -286,20 +286,10 @@ def test_corrupt_stored_values_are_recomputed(
         path.write_bytes(bytes(data))
         damaged += 1
     assert damaged >= len(PROMPTS)
-    llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{root}", kv_sync_loads=sync_loads))
-    engines.append(llm)
-    probe = Probe(llm)
-    assert generate(llm, PROMPTS) == kv_reference["tokens"]
-    for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
-        assert_same_kv(probe.prompt_kv(prompt), want)
-    loader = probe.kv_worker_connector().worker_side.loader
+    loader = _recomputes_a_damaged_store(
+        text_model, engines, kv_reference, f"file://{root}", kv_sync_loads=sync_loads
+    )
     assert loader.failures, "no load failed on a corrupt value"
-    # The damaged values were read in place, straight into the blocks vLLM then recomputed (compared above).
-    assert loader.totals()["reads_in_place"] > 0
-    assert_idle(probe)
-    close_llm(llm)
-    engines.remove(llm)
-    assert_store_serves_cleanly(text_model, f"file://{root}", engines, kv_reference)
     assert BLOCK_SIZE == 32
 
 
@@ -324,19 +314,29 @@ def test_corrupt_values_read_in_place_from_redis_are_recomputed(
     finally:
         client.close()
     assert damaged >= len(PROMPTS)
-    llm = make_llm(text_model, kv=kv_config(backend_url=fresh_redis.url))
+    loader = _recomputes_a_damaged_store(text_model, engines, kv_reference, fresh_redis.url)
+    assert loader.failures[Failure.CORRUPT] >= damaged // 2, loader.failures  # shared values: read once
+
+
+def _recomputes_a_damaged_store(
+    text_model: Path, engines: list[Any], kv_reference: dict[str, Any], url: str, **kv: Any
+) -> StreamLoader:
+    """An engine over ``url``, whose values are damaged, gives the reference's tokens and KV bytes (the
+    blocks it read the damaged values into, in place, recomputed); a third engine then loads what it saved
+    instead with no failure. Its loader, for the caller's counts."""
+    llm = make_llm(text_model, kv=kv_config(backend_url=url, **kv))
     engines.append(llm)
     probe = Probe(llm)
     assert generate(llm, PROMPTS) == kv_reference["tokens"]
     for prompt, want in zip(PROMPTS, kv_reference["kv"], strict=True):
         assert_same_kv(probe.prompt_kv(prompt), want)
     loader = probe.kv_worker_connector().worker_side.loader
-    assert loader.failures[Failure.CORRUPT] >= damaged // 2, loader.failures  # shared values: read once
     assert loader.totals()["reads_in_place"] > 0  # straight into the blocks vLLM then recomputed
     assert_idle(probe)
     close_llm(llm)
     engines.remove(llm)
-    assert_store_serves_cleanly(text_model, fresh_redis.url, engines, kv_reference)
+    assert_store_serves_cleanly(text_model, url, engines, kv_reference)
+    return loader
 
 
 def test_a_failed_sync_load_saves_nothing_computed_on_top_of_it(
