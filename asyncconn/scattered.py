@@ -14,7 +14,7 @@ import torch
 
 from asyncconn.exceptions import InvalidInput
 
-__all__ = ["Scattered"]
+__all__ = ["RemoteScattered", "Scattered"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +62,16 @@ class Scattered:
     def nbytes(self) -> int:
         """The value's bytes: the pieces' total."""
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+class RemoteScattered(Scattered):
+    """A :class:`Scattered` destination read from a store whose reads can be abandoned
+    (``TensorStore.cancellable_reads``: ``redis://``) rather than from memory: the loader reads each one
+    with a store call of its own, in a call slot, and can stop it (``StreamLoader.interrupt``).
+
+    Why a kind of its own: one step of a CPU engine behind a host tier reads both -- the values the tier
+    holds, as memory copies in groups, and the others from the store behind it -- and the loader picks how
+    to read a destination by its type.
+    """
+
+    __slots__ = ()

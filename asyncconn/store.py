@@ -275,8 +275,11 @@ class TensorStore:
     @property
     def cancellable_reads(self) -> bool:
         """Whether a read into the caller's memory stops writing it once cancelled (``redis://``: see
-        ``StorageBackend.cancellable_reads``)."""
-        return self.backend.cancellable_reads and self.backend.reads_into
+        ``StorageBackend.cancellable_reads``). A host tier in front of such a store is too: a hit is one
+        memory copy, and a miss the store's read (the tier's fill only reads the caller's memory, and a
+        cancelled read waits for it)."""
+        backend = self.backend.inner if isinstance(self.backend, HostTier) else self.backend
+        return backend.cancellable_reads and backend.reads_into
 
     async def _read_one(self, key: str, out: torch.Tensor | Scattered) -> Fetch:
         if not isinstance(out, Scattered):

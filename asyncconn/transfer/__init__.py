@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncconn._deprecated import renamed_attribute
-from asyncconn.scattered import Scattered
+from asyncconn.scattered import RemoteScattered, Scattered
 from asyncconn.transfer import in_place  # noqa: F401  (registers the in-place loads with the loader)
 from asyncconn.transfer._device import (
     LOAD_PRIORITY,
@@ -39,6 +39,7 @@ __all__ = [
     "Pieces",
     "PinnedBuffer",
     "PinnedPool",
+    "RemoteScattered",
     "SaveTracker",
     "Scattered",
     "Shared",

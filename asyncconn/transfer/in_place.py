@@ -1,15 +1,15 @@
 """In-place loads: a :class:`~asyncconn.scattered.Scattered` destination, read straight into a host KV cache.
 
 The store reads the value straight into the caller's memory, the pieces in order, and the result is
-reported as soon as the read has ended: no staging buffer, no device copy, so a host device only. How the
-reads go is chosen once per loader, by its store (:func:`in_place_loads`):
+reported as soon as the read has ended: no staging buffer, no device copy, so a host device only. Two
+kinds, by the destination's type:
 
-* :class:`InPlaceLoads` (a store that serves reads from memory: ``file://``'s page cache): in groups with
-  ``cached_only``, nothing that could wait for a disk. A load not served from memory fails ``NOT_CACHED``
-  (load it another way).
-* :class:`RemoteInPlaceLoads` (a store whose reads can be abandoned: ``redis://``,
-  ``StorageBackend.cancellable_reads``): one store call per value, each in a call slot like a staged read,
-  and each stopped at once when its owner lets it go (``StreamLoader.interrupt``).
+* :class:`InPlaceLoads` (``Scattered``: a value the store serves from memory, ``file://``'s page cache or
+  a host tier): in groups with ``cached_only``, nothing that could wait for a disk. A load not served from
+  memory fails ``NOT_CACHED`` (load it another way).
+* :class:`RemoteInPlaceLoads` (``RemoteScattered``: a value read from a store whose reads can be abandoned,
+  ``redis://``, ``StorageBackend.cancellable_reads``): one store call per value, each in a call slot like a
+  staged read, and each stopped at once when its owner lets it go (``StreamLoader.interrupt``).
 
 Plugged into the loader through :mod:`asyncconn.transfer.direct`.
 """
@@ -20,14 +20,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncconn.exceptions import TransferError
-from asyncconn.scattered import Scattered
+from asyncconn.scattered import RemoteScattered, Scattered
 from asyncconn.store import Fetch
 from asyncconn.transfer.direct import DirectLoads, register
 
 if TYPE_CHECKING:
     from asyncconn.transfer.loader import StreamLoader
 
-__all__ = ["IN_PLACE_GROUP_BYTES", "InPlaceLoads", "RemoteInPlaceLoads", "in_place_loads"]
+__all__ = ["IN_PLACE_GROUP_BYTES", "InPlaceLoads", "RemoteInPlaceLoads"]
 
 #: The most bytes one store call reads for in-place loads (``Scattered`` destinations); a batch's in-place
 #: loads are cut into as few groups of even size as this allows. Larger than the loader's ``GROUP_BYTES``:
@@ -88,6 +88,12 @@ class RemoteInPlaceLoads(InPlaceLoads):
 
     held = True
 
+    def check(self, dest: Any) -> None:
+        super().check(dest)
+        if not self.loader.store.cancellable_reads:
+            name = self.loader.store.name
+            raise TransferError(f"{name}: a RemoteScattered load needs reads that stop when cancelled")
+
     def group_limit(self, total: int) -> int:
         return 1  # every value a group of its own
 
@@ -95,14 +101,5 @@ class RemoteInPlaceLoads(InPlaceLoads):
         return await self.loader.store.read_into_many(items)
 
 
-def in_place_loads(loader: StreamLoader) -> InPlaceLoads:
-    """How this loader reads in place: from memory where its store serves reads from memory, else read by
-    read where its store's reads can be abandoned. (:class:`InPlaceLoads` over another store fails every
-    read ``NOT_CACHED``; the KV worker does not read in place there.)"""
-    store = loader.store
-    if not store.cached_reads and store.cancellable_reads:
-        return RemoteInPlaceLoads(loader)
-    return InPlaceLoads(loader)
-
-
-register(Scattered, in_place_loads)
+register(Scattered, InPlaceLoads)
+register(RemoteScattered, RemoteInPlaceLoads)

@@ -359,12 +359,11 @@ class StreamLoader:
 
     def totals(self) -> dict[str, int]:
         """Running totals since start (they only grow): loads, bytes, cancels, failures by reason."""
-        out = {
-            "loaded": self.loaded,
-            **{name: n for direct in self._direct.values() for name, n in direct.totals().items()},
-            "loaded_bytes": self.loaded_bytes,
-            "cancelled": self.cancelled,
-        }
+        direct: collections.Counter[str] = collections.Counter()
+        for kind in self._direct.values():  # kinds may count under the same names: in-place reads of both
+            direct.update(kind.totals())
+        out = {"loaded": self.loaded, **direct}
+        out.update(loaded_bytes=self.loaded_bytes, cancelled=self.cancelled)
         out.update({f"failed_{reason.value}": n for reason, n in self.failures.items()})
         return out
 

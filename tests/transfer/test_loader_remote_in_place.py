@@ -16,19 +16,19 @@ import pytest
 import torch
 
 from asyncconn import codec
+from asyncconn.exceptions import TransferError
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
-from asyncconn.transfer import CpuDevice, Failure, PinnedPool, Scattered, StreamLoader
-from asyncconn.transfer.in_place import InPlaceLoads, RemoteInPlaceLoads, in_place_loads
+from asyncconn.transfer import CpuDevice, Failure, PinnedPool, RemoteScattered, StreamLoader
 from tests.servers import RedisServer
 from tests.transfer.helpers import drain_loads, wait_until
 
 SHAPE = (2, 4, 256)  # 32 KiB of float32 per value, in pieces of 4 KiB (as a KV block's layers are)
 
 
-def _pieces(rows: torch.Tensor) -> Scattered:
+def _pieces(rows: torch.Tensor) -> RemoteScattered:
     """The value's bytes spread over the rows of ``rows`` (one piece each, in order)."""
-    return Scattered(torch.float32, SHAPE, tuple(codec.tensor_bytes(row) for row in rows))
+    return RemoteScattered(torch.float32, SHAPE, tuple(codec.tensor_bytes(row) for row in rows))
 
 
 def _blank() -> torch.Tensor:
@@ -54,7 +54,6 @@ def test_redis_reads_in_place_value_by_value_and_lands_byte_for_byte(
     values = {f"v{i}": torch.randn(SHAPE) for i in range(12)}
     runtime.run(store.put(values.items()))
     loader = StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(1 << 20))
-    assert isinstance(in_place_loads(loader), RemoteInPlaceLoads)
     rows = {k: _blank() for k in values}
     loader.submit_many((k, _pieces(rows[k])) for k in values)
     results = drain_loads(loader, len(values))
@@ -66,11 +65,13 @@ def test_redis_reads_in_place_value_by_value_and_lands_byte_for_byte(
     runtime.run(store.close())
 
 
-def test_a_page_cache_store_keeps_its_grouped_in_place_reads(runtime: Runtime, tmp_path: object) -> None:
+def test_a_store_whose_reads_cannot_be_stopped_refuses_them(runtime: Runtime, tmp_path: object) -> None:
+    """``file://`` reads on threads: a read into the caller's memory there cannot be abandoned."""
     store = runtime.run(TensorStore.open(f"file://{tmp_path}/store"))
     loader = StreamLoader(store, runtime=runtime, device=CpuDevice(), pool=PinnedPool(1 << 20))
-    kind = in_place_loads(loader)
-    assert type(kind) is InPlaceLoads and not kind.held
+    with pytest.raises(TransferError, match="stop when cancelled"):
+        loader.submit("k", _pieces(_blank()))
+    assert loader.pending() == 0
     runtime.run(store.close())
 
 

@@ -6,8 +6,9 @@ The destination is a :class:`~asyncconn.scattered.Scattered`: the value's bytes,
 blocks ``ref.block_ids`` of each layer in order (a run of consecutive ids is one piece). From a page cache
 the loader groups such reads into ``cached_only`` store calls (memory copies, never a disk wait); a value
 the store would have had to wait for comes back ``NOT_CACHED`` and is fetched again through staging
-(:meth:`InPlaceLanding.fallback`). From a remote store each value is a read of its own
-(:mod:`asyncconn.transfer.in_place`).
+(:meth:`InPlaceLanding.fallback`). From a remote store -- alone, or behind a host tier that does not hold
+the value -- each value is a read of its own (a ``RemoteScattered`` destination,
+:mod:`asyncconn.transfer.in_place`).
 Another request wanting the same value copies it from the blocks it was read into. The worker keeps the
 reading request's load open until the read has ended, also when it was aborted or timed out meanwhile:
 vLLM frees or recomputes a request's blocks only after it is reported. A remote read is stopped then
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from asyncconn import codec
-from asyncconn.scattered import Scattered
+from asyncconn.scattered import RemoteScattered, Scattered
 from asyncconn.store import TensorStore
 from asyncconn.transfer import Failure, LoadResult, TensorSpec
 from asyncconn.transfer.runs import runs
@@ -49,6 +50,7 @@ class InPlaceLanding(HostLanding):
     def __init__(self, layout: CacheLayout, store: TensorStore) -> None:
         super().__init__(layout)
         self.in_memory = _in_memory(store)
+        self.remote = store.cancellable_reads  # what is not in memory is read from the store, in place
         # Flat byte views of the layers' caches, the bytes of one block, and the number of block runs per
         # layer (the outer dims before the block dim).
         self.cache_bytes = [codec.tensor_bytes(c) for c, _ in layout.caches]
@@ -61,8 +63,13 @@ class InPlaceLanding(HostLanding):
         assert per_layer * len(self.cache_bytes) == self.staged.staging_nbytes
 
     def destination(self, ref: ValueRef, key: str) -> tuple[TensorSpec | Scattered, bool]:
-        if ref.positions != self.layout.whole or self.layout.has_null(ref) or not self.in_memory(key):
+        if ref.positions != self.layout.whole or self.layout.has_null(ref):
             return self.staged, False
+        kind: type[Scattered] = Scattered
+        if not self.in_memory(key):
+            if not self.remote:
+                return self.staged, False
+            kind = RemoteScattered
         per_block = self.block_bytes
         blocks = self.layout.layer.layer_shape[self.layout.block_dim]
         # Byte ranges of one layer, the same in every layer of a group: runs of consecutive ids, per outer
@@ -82,7 +89,7 @@ class InPlaceLanding(HostLanding):
             for (_, group), flat in zip(self.layout.caches, self.cache_bytes, strict=True)
             for a, b in ranges[group]
         ]
-        return Scattered.trusted(self.layout.dtype, self.staged.shape or (), tuple(views)), True
+        return kind.trusted(self.layout.dtype, self.staged.shape or (), tuple(views)), True
 
     def fallback(self, result: LoadResult) -> TensorSpec | None:
         """A value the store would have had to wait for: read it through staging."""
@@ -96,14 +103,17 @@ class InPlaceLanding(HostLanding):
 
 
 def _in_memory(store: TensorStore) -> Callable[[str], bool]:
-    """Whether a value is worth reading in place: always over a store whose every read can be a memory copy
-    (``file://``); over a host tier in front of a remote store, only when the tier holds it now.
+    """Whether a value is read in place from memory (a ``Scattered`` destination): always over a store whose
+    every read can be a memory copy (``file://``); over a host tier in front of a remote store, only when
+    the tier holds it now; never over a remote store alone (its values are ``RemoteScattered``, or staged).
 
-    Why: a value the tier does not hold comes back ``NOT_CACHED`` from an in-place read and is fetched
-    again through staging a poll later -- a cold prefix over redis paid that round trip for every value.
-    The tier's index belongs to the loop thread; this reads one dict membership from vLLM's thread, and a
-    stale answer costs only that round trip (or a staged read of a held value), never a wrong value.
+    Why ask: a value the tier does not hold comes back ``NOT_CACHED`` from a memory read and is fetched
+    again a poll later -- a cold prefix over redis paid that round trip for every value. The tier's index
+    belongs to the loop thread; this reads one dict membership from vLLM's thread, and a stale answer
+    costs only that round trip (or a per-value read of a held value), never a wrong value.
     """
+    if not store.cached_reads:
+        return lambda key: False
     tier = store.host_tier
     if tier is None or tier.inner.cached_reads:
         return lambda key: True
