@@ -6,6 +6,7 @@ its own offloading tiers."""
 from __future__ import annotations
 
 import json
+import random
 import socket
 import time
 from typing import Any
@@ -19,8 +20,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _listen_port(taken: tuple[int, ...] = ()) -> int:
+    """A port free on every interface (vLLM's publisher binds ``tcp://*``), below the kernel's ephemeral
+    range. Why not :func:`free_port`: the engine binds it only after its start-up, and a pipeline-parallel
+    start-up opens many connections (gloo's), any of which may take an ephemeral port as its own end in
+    the meantime ("Address already in use", seen in CI)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(low, 10001))
+        if port in taken:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
 def _fields() -> tuple[dict[str, Any], int, int]:
-    pub_port, replay_port = free_port(), free_port()
+    pub_port = _listen_port()
+    replay_port = _listen_port((pub_port,))
     fields = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
