@@ -45,7 +45,16 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from asyncconn._deprecated import renamed_method
-from asyncconn.backend import Buffer, Sink, StorageBackend, Value, checked_dests, checked_items, checked_keys
+from asyncconn.backend import (
+    Buffer,
+    Sink,
+    StorageBackend,
+    Value,
+    checked_dests,
+    checked_items,
+    checked_keys,
+    feed_sink,
+)
 from asyncconn.exceptions import AsyncConnError, BackendError, BackendTimeout, BackendUnavailable, ConfigError
 from asyncconn.runtime import fork_generation, forked_error, keep_inherited
 from asyncconn.url import Param, StoreURL, redact
@@ -463,8 +472,7 @@ class RedisBackend(StorageBackend):
         if landed is _Landing.MISMATCH:
             return await super().get_into(key, dests, sink)
         if landed == size and sink is not None:
-            for target in targets:
-                sink(target)
+            feed_sink(sink, targets)
         return landed
 
     async def _land(self, key: str, targets: list[memoryview], size: int) -> int | _Landing | None:
