@@ -190,6 +190,12 @@ class Settings:
         "KV: with vLLM's KV events on, which residencies this connector publishes: all, store (the shared "
         "store's), host (this host's: the host tier's and the local store's), none",
     )
+    kv_events_recheck: float = _opt(
+        parse_duration,
+        10.0,
+        "KV: with the store's KV events published, how often values announced stored are asked about again, "
+        "so a removal the store never reports (a Mooncake eviction) is announced (0: never)",
+    )
     lookup_server_key: str | None = _opt(
         _optional_text, None, "CURVE public key of the lookup server (Z85 text or a key/cert file)"
     )

@@ -41,6 +41,10 @@ BAD: dict[str, list[Any]] = {
         *(True, False, None, NAN, INF, -INF, -1, 0, 0.0, "inf", "nan", "-1s", "0s", "soon", "1e400"),
         *("9" * 400, 10 * MAX_DURATION, f"{MAX_DURATION * 2:.0f}s"),
     ],
+    "duration_or_zero": [
+        *(True, False, None, NAN, INF, -INF, -1, "inf", "nan", "-1s", "soon", "1e400"),
+        *("9" * 400, 10 * MAX_DURATION),
+    ],
     "count": [
         True,
         False,
@@ -81,6 +85,7 @@ BAD: dict[str, list[Any]] = {
 }
 GOOD: dict[str, list[tuple[Any, Any]]] = {
     "duration": [("250ms", 0.25), (2, 2.0), (0.5, 0.5), ("1min", 60.0)],
+    "duration_or_zero": [(0, 0.0), ("0s", 0.0), ("250ms", 0.25), (30, 30.0)],
     "count": [(3, 3), ("3", 3), (3.0, 3)],
     "size": [("1MiB", 1 << 20), (4096, 4096), ("1.5KiB", 1536), (4096.0, 4096)],
     "size_or_zero": [(0, 0), ("0", 0), ("1MiB", 1 << 20)],
@@ -102,6 +107,7 @@ def _kind(field: dataclasses.Field[Any]) -> str:
     parse = field.metadata["parse"]
     kinds: dict[Callable[[Any], Any], str] = {
         config_module._positive_duration: "duration",
+        parse_duration: "duration_or_zero",
         parse_count: "count",
         config_module._positive_size: "size",
         parse_size: "size_or_zero",

@@ -40,6 +40,7 @@ from asyncconn.lookup.protocol import Key, Kind
 from asyncconn.lookup.transports import Answer, LookupTransport
 from asyncconn.reachability import Reachability
 from asyncconn.runtime import Runtime, get_runtime
+from asyncconn.store import TensorStore
 from asyncconn.transfer.failures import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,13 @@ class LookupClient(Generic[R]):
         return reach if isinstance(reach, Reachability) else None
 
     counters = renamed_method("counters", "held")  # the old name, deprecated (docs/transfer.md)
+
+    @property
+    def store(self) -> TensorStore | None:
+        """The store this client asks itself (a direct transport), for another client to share; None
+        behind a lookup server."""
+        store = getattr(self._transport, "store", None)
+        return store if isinstance(store, TensorStore) else None
 
     def held(self) -> dict[str, int]:
         """Sizes of every internal structure (tests check that they come back to zero)."""

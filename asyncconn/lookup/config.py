@@ -17,6 +17,7 @@ from asyncconn.lookup.client import DEFAULT_TIMEOUT, LookupClient, Mode
 from asyncconn.lookup.curve import CurveClientKeys, load_key
 from asyncconn.lookup.transports import DirectTransport, LookupTransport, ZmqTransport
 from asyncconn.runtime import Runtime
+from asyncconn.store import TensorStore
 from asyncconn.url import redact
 
 __all__ = ["LookupConfig", "open_lookup_client"]
@@ -71,7 +72,9 @@ class LookupConfig:
         shown = (f"{f.name}={_field_repr(getattr(self, f.name))}" for f in fields(self))
         return f"LookupConfig({', '.join(shown)})"
 
-    def transport(self) -> LookupTransport:
+    def transport(self, store: TensorStore | None = None) -> LookupTransport:
+        """The transport to the lookup server, else to the store: ``store`` when given (a store another
+        client already opened, shared, left for its owner to close), else one of its own."""
         if self.lookup_server:
             curve = None
             if self.lookup_server_key:
@@ -79,7 +82,7 @@ class LookupConfig:
             return ZmqTransport(self.lookup_server, curve=curve)
         assert self.backend_url is not None
         return DirectTransport(
-            self.backend_url,
+            store if store is not None else self.backend_url,
             key_prefix=self.key_prefix,
             timeout=self.lookup_timeout,
             connect_timeout=self.connect_timeout,
@@ -87,11 +90,16 @@ class LookupConfig:
 
 
 def open_lookup_client(
-    config: LookupConfig, mode: Mode[R], *, runtime: Runtime | None = None
+    config: LookupConfig,
+    mode: Mode[R],
+    *,
+    runtime: Runtime | None = None,
+    store: TensorStore | None = None,
 ) -> LookupClient[R]:
-    """A started client for ``mode`` (``PREFIX`` for KV, ``EXISTS`` for EC) with the configured transport."""
+    """A started client for ``mode`` (``PREFIX`` for KV, ``EXISTS`` for EC) with the configured transport
+    (``store``: another client's store to share, see :meth:`LookupConfig.transport`)."""
     return LookupClient(
-        config.transport(),
+        config.transport(store),
         mode,
         runtime=runtime,
         timeout=config.lookup_timeout,

@@ -121,6 +121,11 @@ class DirectTransport(LookupTransport):
         self._kind = Kind.PREFIX
         self._deliver: Deliver | None = None
 
+    @property
+    def store(self) -> TensorStore | None:
+        """The store asked (once started): another client may share it (``LookupConfig.transport``)."""
+        return self._store
+
     async def start(self, kind: Kind, deliver: Deliver) -> None:
         if self._store is None:
             assert isinstance(self._store_or_url, str)

@@ -231,3 +231,57 @@ def test_a_value_deleted_behind_the_stores_back_is_announced_removed_at_the_next
     assert held == set(want) - {want[2]}
     there = worker.runtime.run(worker.store.exists([worker.keys.store_key(h, 0) for h in value_hashes]))
     assert held == {h for h, present in zip(want, there, strict=True) if present}  # what the store holds
+
+
+@pytest.mark.mooncake
+def test_a_mooncake_value_removed_behind_the_engines_back_is_announced_while_it_serves_other_prompts(
+    text_model: Path, engines: list[Any], mooncake_master: Any
+) -> None:
+    """Mooncake never reports a removal. With ``kv_events_recheck`` the engine asks the store again about
+    the values it announced, on a timer: a value another client removes is dropped from a router's view of
+    the store while the engine serves other prompts -- it never looks that prompt up again -- and the
+    residency then equals what the store holds."""
+    import uuid
+
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from asyncconn.runtime import get_runtime
+    from asyncconn.store import TensorStore
+    from asyncconn.url import with_param
+
+    url = mooncake_master.url(
+        segment="128MiB", buffer="32MiB", timeout="5s", prefix=f"recheck-{uuid.uuid4().hex[:8]}/"
+    )
+    events_config, _, replay_port = routers.events_config()
+    kv = kv_config(backend_url=url, kv_events_recheck="300ms")
+    llm = make_llm(text_model, kv=kv, kv_events_config=events_config)
+    engines.append(llm)
+    prompt = PROMPTS[0]
+    generate(llm, [prompt])
+    probe = Probe(llm)
+    assert_idle(probe)
+    store = ("CPU", "asyncconn:mooncake")
+    block_hashes = probe.block_hashes(prompt)[:FULL_BLOCKS]
+    want = [maybe_convert_block_hash(h) for h in block_hashes]
+    assert routers.residency(routers.replayed_batches(replay_port))[store] >= set(want)
+    worker = probe.kv_worker_connector().worker_side
+    keys = [worker.keys.store_key(h, 0) for h in worker.keys.value_hashes(block_hashes)]
+    runtime = get_runtime()
+    other = runtime.run(TensorStore.open(with_param(url, "segment", "0")), 30)  # another client of the store
+    try:
+        assert runtime.run(other.delete([keys[2]]), 30) == 1
+    finally:
+        runtime.run(other.close(), 30)
+
+    held: set[Any] = set(want)
+    for n in range(40):  # other prompts only: prompt 0 is never looked up again
+        generate(llm, [[(t + n + 1) % 200 + 1 for t in PROMPTS[1]]], max_tokens=4)
+        held = routers.residency(routers.replayed_batches(replay_port))[store]
+        if want[2] not in held:
+            break
+    assert_idle(probe)
+    assert held & set(want) == set(want) - {want[2]}
+    there = worker.runtime.run(worker.store.exists(keys))
+    assert held & set(want) == {h for h, present in zip(want, there, strict=True) if present}
+    side = probe.kv_scheduler_connector().scheduler_side
+    assert side.recheck is not None and side.recheck.removed == 1

@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from asyncconn.config import Settings
 from asyncconn.exceptions import BackendTimeout
-from asyncconn.lookup import EXISTS, PREFIX, LookupConfig, open_lookup_client
+from asyncconn.lookup import EXISTS, PREFIX, LookupClient, LookupConfig, open_lookup_client
 from asyncconn.runtime import get_runtime
 from asyncconn.store import TensorStore
 from asyncconn.transfer import PinnedPool, SaveTracker, StreamLoader, engine_devices
@@ -59,6 +59,7 @@ from asyncconn.vllm.kv.localevents import LocalMirror, LocalNews, LocalTierEvent
 from asyncconn.vllm.kv.localstore import LocalStoreHits
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.parts import ValueParts
+from asyncconn.vllm.kv.recheck import ResidencyRecheck
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from asyncconn.vllm.kv.stages import StageSpaces
 from asyncconn.vllm.kv.tierevents import TierEvents
@@ -229,20 +230,22 @@ class AsyncConnKVConnector(
             if config.is_kv_consumer:
                 lookup = open_lookup_client(LookupConfig.from_settings(self.settings), PREFIX)
             spaces = StageSpaces(keys, stages)
+            kv_events = (
+                KVEvents(keys, self.tier, store=events, stages=stages, spaces=spaces)
+                if events or self._tier_events or self._local_events
+                else None
+            )
             self._scheduler = KVSchedulerSide(
                 keys,
                 lookup=lookup,
                 save=config.is_kv_producer,
                 sync_lookup=self.settings.sync_lookup,
                 sync_loads=self.settings.kv_sync_loads,
-                events=(
-                    KVEvents(keys, self.tier, store=events, stages=stages, spaces=spaces)
-                    if events or self._tier_events or self._local_events
-                    else None
-                ),
+                events=kv_events,
                 parts=parts,
                 local_store=self._local_store_hits(parts) if lookup is not None else None,
                 spaces=spaces,
+                recheck=self._recheck(kv_events, parts, lookup) if events else None,
             )
             self._follow_local_store(self._scheduler, parts, tp_size)
             self._follow_tiers(self._scheduler, parts)
@@ -251,6 +254,21 @@ class AsyncConnKVConnector(
         else:
             self._worker = self._build_worker(parts, groups, rank, kv_cache_config, events=events)
             log_start("KV", f"worker rank {rank} of {tp_size} ({config.kv_role})", self.settings)
+
+    def _recheck(
+        self, events: KVEvents | None, parts: ValueParts, lookup: LookupClient[int] | None
+    ) -> ResidencyRecheck | None:
+        """With the store's KV events on and ``kv_events_recheck`` set: the announced values asked about again
+        on a timer (:mod:`asyncconn.vllm.kv.recheck`), in the key space a lookup asks first (a split hybrid
+        model's whole parts), through a lookup client of their own that shares the prefix lookups' store
+        (a second store client would be a second Mooncake segment in this process)."""
+        interval = self.settings.kv_events_recheck
+        space = parts.keys[parts.whole] if parts.whole is not None else None
+        if events is None or interval <= 0 or space is None:
+            return None
+        shared = lookup.store if lookup is not None else None
+        client = open_lookup_client(LookupConfig.from_settings(self.settings), EXISTS, store=shared)
+        return ResidencyRecheck(events, client, space, interval=interval)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -28,6 +28,7 @@ counted in :attr:`KVEvents.dropped`.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -288,6 +289,24 @@ class KVEvents:
                 hashes.extend(block_hashes)
         if hashes:
             self._emit(self.removed_event(hashes, self.tier))
+
+    def oldest(self, n: int) -> list[tuple[bytes, object]]:
+        """The ``n`` values announced (or last handed out here) longest ago, each with a mark of its
+        announcement, moved to the back: the next call hands out the next ones
+        (:mod:`asyncconn.vllm.kv.recheck` asks the store about them). A value confirmed still there is as
+        good as one announced now, so the turn also decides which go first when the map is full."""
+        stored = self._stored
+        out: list[tuple[bytes, object]] = [(h, stored[h]) for h in itertools.islice(stored, n)]
+        for value_hash, _ in out:
+            stored.move_to_end(value_hash)
+        return out
+
+    def removed_unless_renewed(self, values: Sequence[tuple[bytes, object]]) -> int:
+        """:meth:`removed` of ``values`` (hash, the mark :meth:`oldest` gave), less any announced again
+        since (its new save may postdate the answer that found it gone); how many were announced removed."""
+        current = [h for h, mark in values if self._stored.get(h) is mark]
+        self.removed(current)
+        return len(current)
 
     def removed_event(self, block_hashes: list[Any], tier: Tier) -> Any:
         """vLLM's ``BlockRemoved`` of ``block_hashes`` from ``tier``."""

@@ -126,6 +126,8 @@ CAUSES = tuple(f.value for f in Failure if f is not Failure.NOT_CACHED)
 #: store confirmed written; ``saves_submitted`` those handed to the save tracker; failed ones are counted in
 #: ``save_failures`` only. ``store_outages``: times a process's store went from reachable to unreachable.
 #: ``events_dropped``: KV events (or their records) let go from a full buffer (``asyncconn.vllm.kv.events``).
+#: ``events_rechecked``: values announced stored that the store was asked about again, and
+#: ``events_recheck_removed`` those of them found gone and announced removed (``asyncconn.vllm.kv.recheck``).
 COUNTERS = (
     "lookups",
     "lookup_hits",
@@ -148,6 +150,8 @@ COUNTERS = (
     "bytes_saved",
     "store_outages",
     "events_dropped",
+    "events_rechecked",
+    "events_recheck_removed",
     *HOST_COUNTERS,
     *LOCAL_COUNTERS,
 )

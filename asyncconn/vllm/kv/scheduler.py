@@ -45,6 +45,7 @@ from asyncconn.vllm.kv.metadata import (
     lookup_totals,
 )
 from asyncconn.vllm.kv.parts import ValueParts
+from asyncconn.vllm.kv.recheck import ResidencyRecheck
 from asyncconn.vllm.kv.stages import StageSpaces
 from asyncconn.vllm.kv.tierevents import TierEvents
 
@@ -91,7 +92,9 @@ class KVSchedulerSide:
     (:mod:`asyncconn.vllm.kv.localstore`). ``local_events`` (KV events on, a ``local_store_url``): the
     local store's own events, snapshotted like the tiers' and fed by the workers' reports
     (:mod:`asyncconn.vllm.kv.localevents`). ``spaces``: every pipeline stage's key space, as the workers'
-    reports name them (:mod:`asyncconn.vllm.kv.stages`; shared with all of the above).
+    reports name them (:mod:`asyncconn.vllm.kv.stages`; shared with all of the above). ``recheck`` (the
+    store's KV events on, ``kv_events_recheck``): values announced stored are asked about again on a timer,
+    so a removal the store never reports is announced (:mod:`asyncconn.vllm.kv.recheck`).
     """
 
     def __init__(
@@ -109,8 +112,11 @@ class KVSchedulerSide:
         local_store: LocalStoreHits | None = None,
         local_events: LocalTierEvents | None = None,
         spaces: StageSpaces | None = None,
+        recheck: ResidencyRecheck | None = None,
     ) -> None:
         self.keys = keys
+        self.recheck = recheck
+        self._rechecked = (0, 0)  # ``recheck``'s counters at the last stats()
         self.host = host
         self.local_store = local_store
         self.tier_events = tier_events
@@ -350,6 +356,8 @@ class KVSchedulerSide:
         the last answer is in): otherwise vLLM's back-to-back empty steps starve the loop that answers them,
         and each request waits tens of empty steps before its admission. A step with work never waits.
         """
+        if self.recheck is not None:
+            self.recheck.step()
         preempted = frozenset(so.preempted_req_ids or ())
         for rid in so.finished_req_ids:
             self._forget(rid)
@@ -554,6 +562,11 @@ class KVSchedulerSide:
         if self.events is not None and self.events.dropped != self._events_dropped:
             changed["events_dropped"] = self.events.dropped - self._events_dropped
             self._events_dropped = self.events.dropped
+        if self.recheck is not None and (self.recheck.rechecked, self.recheck.removed) != self._rechecked:
+            now = (self.recheck.rechecked, self.recheck.removed)
+            changed["events_rechecked"] = now[0] - self._rechecked[0]
+            changed["events_recheck_removed"] = now[1] - self._rechecked[1]
+            self._rechecked = now
         if observed == self._lookups_seen and not changed and self._stats.is_empty():
             return None  # nothing happened since the last call (most steps): nothing allocated
         self._lookups_seen = observed
@@ -604,5 +617,7 @@ class KVSchedulerSide:
             self.events.close()
         if self.local_store is not None:
             self.local_store.close()
+        if self.recheck is not None:  # before the lookups: it may share their store
+            self.recheck.close()
         if self.lookup is not None:
             self.lookup.close()

@@ -1,0 +1,219 @@
+"""Values announced stored, asked about again (asyncconn.vllm.kv.recheck): removals a store never reports.
+
+Unit tests of the turn and the answer handling (a stand-in lookup client and clock), then vLLM's real
+scheduler (the simulator) over ``file://`` with a value deleted behind the store's back, which no removal
+hook hears: the recheck announces it while the engine serves other prompts, and nothing does without it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.distributed.kv_events import BlockRemoved
+
+from asyncconn.vllm.kv.events import KVEvents, SavedReport
+from asyncconn.vllm.kv.recheck import ResidencyRecheck
+from tests.vllm.kv.test_events import _events, _Published, _published, _request
+from tests.vllm.kv.test_support import kv_spec, leaks, prompt, run_checked
+
+pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
+
+BLOCK = 16
+
+
+def _stored(events: KVEvents, n: int, rid: str = "a", seed: int = 1) -> list[bytes]:
+    """``n`` one-block values of a request, planned and confirmed: published, and remembered."""
+    request = _request(rid, prompt(seed, n * BLOCK))
+    hashes = list(request.block_hashes)
+    events.planned(rid, request, list(enumerate(hashes)))
+    events.update(SavedReport(saved=dict.fromkeys(hashes, events.ranks)))
+    events.release(rid)
+    assert len(events.take()) == n
+    return hashes
+
+
+class _Client:
+    """Stands in for the lookup client: records each question, answers what the test sets."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, list[bytes]] = {}
+        self.answers: dict[str, tuple[tuple[bool, ...], bool]] = {}
+        self.closed = False
+
+    def submit(self, rid: str, keys: list[bytes]) -> None:
+        self.asked[rid] = keys
+
+    def poll_answer(self, rid: str) -> tuple[tuple[bool, ...], bool] | None:
+        return self.answers.pop(rid, None)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_values_are_handed_out_in_turn_and_a_value_announced_again_keeps_its_residency() -> None:
+    events = _events(tp=2)
+    h = _stored(events, 5)
+    first = events.oldest(2)
+    assert [v for v, _ in first] == h[:2]
+    assert [v for v, _ in events.oldest(2)] == h[2:4]
+    assert [v for v, _ in events.oldest(3)] == [h[4], h[0], h[1]]  # the turn goes round
+    # value 0 is saved and announced again after it was handed out: the stale answer must not remove it
+    request = _request("b", prompt(1, 5 * BLOCK))
+    events.planned("b", request, [(0, h[0])])
+    events.update(SavedReport(saved={h[0]: 2}))
+    events.release("b")
+    assert len(events.take()) == 1
+    assert events.removed_unless_renewed(first) == 1  # value 1 only
+    (removed,) = events.take()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == _published([h[1]])
+
+
+def test_a_recheck_asks_on_its_interval_and_announces_only_what_the_store_said_is_gone() -> None:
+    events = _events(tp=2, url="mooncake://h:50051")
+    h = _stored(events, 3)
+    client, clock = _Client(), _Clock()
+    recheck = ResidencyRecheck(events, client, events.keys, interval=10.0, values=2, clock=clock)  # type: ignore[arg-type]
+
+    recheck.step()
+    assert client.asked == {}  # not before its interval
+    clock.now += 10.0
+    recheck.step()
+    ((rid, keys),) = client.asked.items()
+    assert keys == events.keys.lookup_keys(h[:2])  # both ranks' keys of the two oldest values
+    recheck.step()  # not answered yet: nothing happens, nothing more is asked
+    assert len(client.asked) == 1 and recheck.asking
+    # rank 1's key of value 1 is gone: value 1 is unusable, so it is removed; value 0 is whole
+    client.answers[rid] = ((True, True, True, False), True)
+    recheck.step()
+    (removed,) = events.take()
+    assert removed.block_hashes == _published([h[1]])
+    assert (removed.medium, removed.ownership) == ("CPU", "asyncconn:mooncake")
+    assert (recheck.rechecked, recheck.removed, recheck.asking) == (2, 1, False)
+
+    clock.now += 10.0
+    recheck.step()
+    rid2 = next(r for r in client.asked if r != rid)
+    assert client.asked[rid2] == events.keys.lookup_keys([h[2], h[0]])  # the turn goes on
+    client.answers[rid2] = ((False,) * 4, False)  # a timeout or an error: the store said nothing
+    recheck.step()
+    assert events.take() == []
+    assert (recheck.rechecked, recheck.removed) == (2, 1)
+    recheck.close()
+    assert client.closed and not recheck.asking
+
+
+def test_a_large_recheck_names_its_keys_over_several_steps() -> None:
+    """No step names more than ``KEYS_PER_STEP`` values' keys (a hash per rank each): 300 values take three
+    steps, and the third asks the store about all of them at once, in order."""
+    from asyncconn.vllm.kv import recheck as recheck_module
+
+    events = _events(tp=2)
+    h = _stored(events, 300)
+    client, clock = _Client(), _Clock()
+    recheck = ResidencyRecheck(events, client, events.keys, interval=1.0, values=300, clock=clock)  # type: ignore[arg-type]
+    clock.now += 1.0
+    named = []
+    real = events.keys.lookup_keys
+
+    def counted(value_hashes: list[bytes]) -> list[bytes]:
+        named.append(len(value_hashes))
+        return real(value_hashes)
+
+    events.keys.lookup_keys = counted  # type: ignore[method-assign]
+    for _ in range(2):
+        recheck.step()
+        assert client.asked == {} and recheck.asking
+    recheck.step()
+    assert named == [recheck_module.KEYS_PER_STEP] * 2 + [300 - 2 * recheck_module.KEYS_PER_STEP]
+    ((rid, keys),) = client.asked.items()
+    assert keys == real(h)
+    client.answers[rid] = ((True,) * 600, True)
+    recheck.step()
+    assert events.take() == [] and (recheck.rechecked, recheck.removed, recheck.asking) == (300, 0, False)
+
+
+def test_nothing_remembered_asks_nothing() -> None:
+    events = _events()
+    client, clock = _Client(), _Clock()
+    recheck = ResidencyRecheck(events, client, events.keys, interval=1.0, clock=clock)  # type: ignore[arg-type]
+    clock.now += 5.0
+    recheck.step()
+    assert client.asked == {} and not recheck.asking
+
+
+# -- vLLM's real scheduler (simulator) ---------------------------------------------------------------------
+def _removed(published: _Published) -> list[Any]:
+    """Block hashes of the store's ``BlockRemoved`` events (``file://``: ``STORAGE``; vLLM's own cache
+    announces its ``GPU`` evictions beside them)."""
+    return [
+        h
+        for b in published.batches
+        for e in b.events
+        if isinstance(e, BlockRemoved) and e.medium == "STORAGE"
+        for h in e.block_hashes
+    ]
+
+
+@pytest.mark.parametrize("recheck", ["200ms", 0])
+def test_a_value_deleted_behind_the_stores_back_is_announced_while_other_prompts_run(
+    make_sim: Any, tmp_path: Path, recheck: Any
+) -> None:
+    """A file deleted behind ``file://``'s back (no removal hook hears it; Mooncake's evictions in
+    production): while the engine serves other prompts, never looking that one up again, the recheck
+    announces exactly that value removed, with the store's medium. Off (0), nothing is announced."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    sim = make_sim(kv=kv_spec(f"file://{tmp_path}", kv_events_recheck=recheck), kv_events=True)
+    published = _Published()
+    sim.scheduler.kv_event_publisher = published
+    tokens = prompt(21, 4 * BLOCK + 3)
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    hashes = [maybe_convert_block_hash(h) for h in _request("h", tokens).block_hashes]
+    assert [h for e in published.ours("STORAGE") for h in e.block_hashes] == hashes
+    worker = sim.workers[0].kv_connector.worker_side
+    value_hashes = worker.keys.value_hashes(_request("h", tokens).block_hashes)
+    Path(worker.store.backend._path(worker.keys.store_key(value_hashes[1], 0))).unlink()
+
+    side = sim.scheduler.connector.scheduler_side
+    counted: list[dict[str, Any]] = []  # the scheduler side's stats as vLLM takes them each step
+    taken = side.stats
+
+    def recorded() -> Any:
+        stats = taken()
+        if stats is not None:
+            counted.append(dict(stats.data))
+        return stats
+
+    side.stats = recorded  # type: ignore[method-assign]
+    deadline = time.monotonic() + 5.0
+    n = 0
+    while time.monotonic() < deadline and not _removed(published):
+        n += 1
+        sim.add_request(f"other-{n}", prompt(100 + n, 2 * BLOCK + 1), max_tokens=2)
+        run_checked(sim)
+        time.sleep(0.05)
+    if recheck:
+        assert _removed(published) == [hashes[1]]
+        removed = [e for b in published.batches for e in b.events if isinstance(e, BlockRemoved)]
+        assert ("STORAGE", "asyncconn:file") in {(e.medium, e.ownership) for e in removed}
+        assert side.recheck is not None and side.recheck.removed == 1
+        # one store client in the scheduler process (on Mooncake, a second would contribute a second segment)
+        assert side.lookup is not None and side.recheck.client.store is side.lookup.store is not None
+        assert sum(c.get("events_recheck_removed", 0) for c in counted) == 1
+        assert sum(c.get("events_rechecked", 0) for c in counted) == side.recheck.rechecked >= 4
+    else:
+        assert side.recheck is None
+        assert _removed(published) == []
+    assert leaks(sim) == []
