@@ -36,8 +36,9 @@ __all__ = ["KEYS_PER_STEP", "RECHECK_VALUES", "ResidencyRecheck"]
 #: thousand ``EXISTS`` on Redis, one batch query on Mooncake), small beside a prompt's own lookup traffic.
 RECHECK_VALUES = 1024
 #: Values whose keys one step names at most while a recheck is prepared. Why: a key is a hash per rank, and
-#: naming 1,024 values' keys at once held vLLM's scheduler thread for 0.5 ms (one rank) to 3.2 ms (eight)
-#: in one step; spread over steps, no step pays more than an eighth of it.
+#: naming 1,024 values' keys at once held vLLM's scheduler thread for milliseconds in one step with eight
+#: ranks (``scripts/kv_events_cost.py``: docs/benchmarks.md); spread over steps, no step pays more than an
+#: eighth of it.
 KEYS_PER_STEP = 128
 
 _IDS = itertools.count()
