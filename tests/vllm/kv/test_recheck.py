@@ -165,16 +165,35 @@ def _removed(published: _Published) -> list[Any]:
     ]
 
 
-@pytest.mark.parametrize("recheck", ["200ms", 0])
+@pytest.mark.parametrize(("recheck", "via"), [("200ms", "store"), ("200ms", "lookup server"), (0, "store")])
 def test_a_value_deleted_behind_the_stores_back_is_announced_while_other_prompts_run(
-    make_sim: Any, tmp_path: Path, recheck: Any
+    make_sim: Any, tmp_path: Path, recheck: Any, via: str
 ) -> None:
     """A file deleted behind ``file://``'s back (no removal hook hears it; Mooncake's evictions in
     production): while the engine serves other prompts, never looking that one up again, the recheck
-    announces exactly that value removed, with the store's medium. Off (0), nothing is announced."""
+    announces exactly that value removed, with the store's medium -- asking the store itself, or a real
+    lookup server (``asyncconn lookup-server``, its own process). Off (0), nothing is announced."""
+
+    from asyncconn_tools.chaos.procs import LookupServerProcess
+
+    url = f"file://{tmp_path}"
+    extra: dict[str, Any] = {"kv_events_recheck": recheck}
+    if via == "lookup server":
+        server = LookupServerProcess(url, block_size=BLOCK).start()
+        extra["lookup_server"] = server.endpoint
+    try:
+        _recheck_while_other_prompts_run(make_sim, url, extra, recheck, via)
+    finally:
+        if via == "lookup server":
+            server.stop()
+
+
+def _recheck_while_other_prompts_run(
+    make_sim: Any, url: str, extra: dict[str, Any], recheck: Any, via: str
+) -> None:
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    sim = make_sim(kv=kv_spec(f"file://{tmp_path}", kv_events_recheck=recheck), kv_events=True)
+    sim = make_sim(kv=kv_spec(url, **extra), kv_events=True)
     published = _Published()
     sim.scheduler.kv_event_publisher = published
     tokens = prompt(21, 4 * BLOCK + 3)
@@ -209,8 +228,11 @@ def test_a_value_deleted_behind_the_stores_back_is_announced_while_other_prompts
         removed = [e for b in published.batches for e in b.events if isinstance(e, BlockRemoved)]
         assert ("STORAGE", "asyncconn:file") in {(e.medium, e.ownership) for e in removed}
         assert side.recheck is not None and side.recheck.removed == 1
-        # one store client in the scheduler process (on Mooncake, a second would contribute a second segment)
-        assert side.lookup is not None and side.recheck.client.store is side.lookup.store is not None
+        if via == "store":  # one store client in the scheduler process (on Mooncake, a second would
+            # contribute a second segment); behind a lookup server, none
+            assert side.lookup is not None and side.recheck.client.store is side.lookup.store is not None
+        else:
+            assert side.lookup is not None and side.lookup.store is side.recheck.client.store is None
         assert sum(c.get("events_recheck_removed", 0) for c in counted) == 1
         assert sum(c.get("events_rechecked", 0) for c in counted) == side.recheck.rechecked >= 4
     else:
