@@ -207,19 +207,9 @@ def test_a_value_deleted_behind_the_stores_back_is_announced_removed_at_the_next
     """A store that never reports a removal (a file deleted behind ``file://``'s back here, as Mooncake
     evicts without telling): when the engine next looks the prompt up, the store answers that value 2 is
     missing, and a router replaying vLLM's publisher drops exactly that value from the store's residency."""
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-    events_config, _, replay_port = routers.events_config()
-    llm = make_llm(text_model, kv=kv_config(backend_url=f"file://{tmp_path}"), kv_events_config=events_config)
-    engines.append(llm)
-    prompt = PROMPTS[0]
-    generate(llm, [prompt])
-    probe = Probe(llm)
-    assert_idle(probe)
     store = ("STORAGE", "asyncconn:file")
-    block_hashes = probe.block_hashes(prompt)[:FULL_BLOCKS]
-    want = [maybe_convert_block_hash(h) for h in block_hashes]
-    assert routers.residency(routers.replayed_batches(replay_port))[store] == set(want)
+    llm, probe, replay_port, block_hashes, want = _announced(text_model, engines, store, f"file://{tmp_path}")
+    prompt = PROMPTS[0]
     worker = probe.kv_worker_connector().worker_side
     value_hashes = worker.keys.value_hashes(block_hashes)  # one value per block
     Path(worker.store.backend._path(worker.keys.store_key(value_hashes[2], 0))).unlink()
@@ -243,8 +233,6 @@ def test_a_mooncake_value_removed_behind_the_engines_back_is_announced_while_it_
     residency then equals what the store holds."""
     import uuid
 
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
     from asyncconn.runtime import get_runtime
     from asyncconn.store import TensorStore
     from asyncconn.url import with_param
@@ -252,18 +240,10 @@ def test_a_mooncake_value_removed_behind_the_engines_back_is_announced_while_it_
     url = mooncake_master.url(
         segment="128MiB", buffer="32MiB", timeout="5s", prefix=f"recheck-{uuid.uuid4().hex[:8]}/"
     )
-    events_config, _, replay_port = routers.events_config()
-    kv = kv_config(backend_url=url, kv_events_recheck="300ms")
-    llm = make_llm(text_model, kv=kv, kv_events_config=events_config)
-    engines.append(llm)
-    prompt = PROMPTS[0]
-    generate(llm, [prompt])
-    probe = Probe(llm)
-    assert_idle(probe)
     store = ("CPU", "asyncconn:mooncake")
-    block_hashes = probe.block_hashes(prompt)[:FULL_BLOCKS]
-    want = [maybe_convert_block_hash(h) for h in block_hashes]
-    assert routers.residency(routers.replayed_batches(replay_port))[store] >= set(want)
+    llm, probe, replay_port, block_hashes, want = _announced(
+        text_model, engines, store, url, kv_events_recheck="300ms"
+    )
     worker = probe.kv_worker_connector().worker_side
     keys = [worker.keys.store_key(h, 0) for h in worker.keys.value_hashes(block_hashes)]
     runtime = get_runtime()
@@ -285,3 +265,23 @@ def test_a_mooncake_value_removed_behind_the_engines_back_is_announced_while_it_
     assert held & set(want) == {h for h, present in zip(want, there, strict=True) if present}
     side = probe.kv_scheduler_connector().scheduler_side
     assert side.recheck is not None and side.recheck.removed == 1
+
+
+def _announced(
+    text_model: Path, engines: list[Any], store: tuple[str, str], url: str, **kv: Any
+) -> tuple[Any, Probe, int, list[Any], list[Any]]:
+    """An engine with KV events on over ``url`` that computed ``PROMPTS[0]``, whose full blocks a router
+    replaying the publisher finds in ``store``'s residency (``medium``, ``ownership``), exactly: the engine,
+    its probe, the replay port, the blocks' hashes, and the same as the events carry them."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    events_config, _, replay_port = routers.events_config()
+    llm = make_llm(text_model, kv=kv_config(backend_url=url, **kv), kv_events_config=events_config)
+    engines.append(llm)
+    generate(llm, [PROMPTS[0]])
+    probe = Probe(llm)
+    assert_idle(probe)
+    block_hashes = probe.block_hashes(PROMPTS[0])[:FULL_BLOCKS]
+    want = [maybe_convert_block_hash(h) for h in block_hashes]
+    assert routers.residency(routers.replayed_batches(replay_port))[store] == set(want)
+    return llm, probe, replay_port, block_hashes, want
