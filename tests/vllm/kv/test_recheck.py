@@ -239,3 +239,68 @@ def _recheck_while_other_prompts_run(
         assert side.recheck is None
         assert _removed(published) == []
     assert leaks(sim) == []
+
+
+def test_a_recheck_against_a_hung_redis_announces_nothing_and_stops_no_step(
+    make_sim: Any, fresh_redis: Any
+) -> None:
+    """A real redis-server, SIGSTOPped after a value was deleted behind the engine's back: rechecks run into
+    the lookup timeout and announce nothing (a timeout says nothing about the values), and no scheduler step
+    waits for them; once the server answers again, the next recheck announces exactly that value."""
+    import uuid
+
+    import redis
+    from asyncconn_backends.redis.layout import main_key
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    url = f"{fresh_redis.url}?timeout=1s&prefix=rc{uuid.uuid4().hex[:8]}:"
+    extra = {"kv_events_recheck": "100ms", "lookup_timeout": "300ms", "store_timeout": "1s"}
+    sim = make_sim(kv=kv_spec(url, **extra), kv_events=True)
+    published = _Published()
+    sim.scheduler.kv_event_publisher = published
+    tokens = prompt(31, 4 * BLOCK + 3)
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    hashes = [maybe_convert_block_hash(h) for h in _request("h", tokens).block_hashes]
+    assert {h for e in published.ours("CPU") for h in e.block_hashes} == set(hashes)
+    worker = sim.workers[0].kv_connector.worker_side
+    value_hashes = worker.keys.value_hashes(_request("h", tokens).block_hashes)
+    name = main_key(worker.store.backend.prefix, worker.keys.store_key(value_hashes[1], 0))
+    assert redis.Redis(port=fresh_redis.port).delete(name) == 1  # behind the store's back
+    side = sim.scheduler.connector.scheduler_side
+    assert side.recheck is not None
+    timeouts = side.recheck.client.metrics.timeouts
+
+    fresh_redis.pause()
+    try:
+        deadline = time.monotonic() + 2.0
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            sim.add_request(f"hung-{n}", prompt(200 + n, BLOCK + 1), max_tokens=2)
+            records = run_checked(sim)
+            assert max(r.schedule_ns for r in records) < 0.2e9  # no step waited for the store
+        assert side.recheck.client.metrics.timeouts > timeouts  # rechecks were asked, and timed out
+        assert _store_removed(published) == []
+    finally:
+        fresh_redis.resume()
+
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and not _store_removed(published):
+        n += 1
+        sim.add_request(f"back-{n}", prompt(300 + n, BLOCK + 1), max_tokens=2)
+        run_checked(sim)
+        time.sleep(0.05)
+    assert _store_removed(published) == [hashes[1]]
+    assert leaks(sim) == []
+
+
+def _store_removed(published: _Published) -> list[Any]:
+    """Block hashes of ``redis://``'s ``BlockRemoved`` events (ownership ``asyncconn:redis``)."""
+    return [
+        h
+        for b in published.batches
+        for e in b.events
+        if isinstance(e, BlockRemoved) and e.ownership == "asyncconn:redis"
+        for h in e.block_hashes
+    ]
