@@ -10,7 +10,8 @@ at a planned save or load) and the reports' path per value, once for the value c
 the local store's events (``local_store_url``: :class:`LocalTierEvents`, the workers' changes in order).
 Last, a recheck (``kv_events_recheck``: :class:`ResidencyRecheck`) of 1,024 remembered values with one and
 with eight tensor-parallel ranks, the store's answers stood in for: the longest step and the sum of its steps,
-against naming every key in one step.
+against naming every key in one step; and the local store's recheck of as many values (the step that takes
+its answer settles every key in the mirror: timed when nothing changes and when every value is gone).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from asyncconn.vllm.kv.events import KVEvents, SavedReport, tier_of
 from asyncconn.vllm.kv.keys import KeySpace, KVIdentity
 from asyncconn.vllm.kv.localevents import LocalMirror, LocalTierEvents
 from asyncconn.vllm.kv.parts import ValueParts
-from asyncconn.vllm.kv.recheck import RECHECK_VALUES, ResidencyRecheck
+from asyncconn.vllm.kv.recheck import RECHECK_VALUES, ResidencyRecheck, StoreResidency
 from asyncconn.vllm.kv.tierevents import TierEvents
 from asyncconn.vllm.kv.tiernews import TierMirror
 
@@ -128,6 +129,8 @@ def main() -> None:
     )
     for tp in (1, 8):
         _recheck_cost(requests[1:], args.block_size, tp)
+    for tp in (1, 8):
+        _local_recheck_cost(requests[1:], args.block_size, tp)
 
 
 class _Present:
@@ -156,7 +159,7 @@ def _recheck_cost(requests: list[Request], block_size: int, tp: int) -> None:
         events.update(SavedReport(saved=dict.fromkeys(hashes, events.ranks)))
         events.take()
         events.release(request.request_id)
-    recheck = ResidencyRecheck(events, _Present(), events.keys, interval=0.0)  # type: ignore[arg-type]
+    recheck = ResidencyRecheck(StoreResidency(events, events.keys), _Present(), interval=0.0)  # type: ignore[arg-type]
     rounds: list[tuple[float, float]] = []
     for _ in range(5):
         steps = []
@@ -179,6 +182,61 @@ def _recheck_cost(requests: list[Request], block_size: int, tp: int) -> None:
         f"{at_once * 1e3:.2f} ms"
     )
 
+
+class _Answering:
+    """Stands in for the local recheck's lookup client: answers that every key is there, or none."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, int] = {}
+        self.held = True
+
+    def submit(self, rid: str, keys: list[bytes]) -> None:
+        self.asked[rid] = len(keys)
+
+    def poll_answer(self, rid: str) -> tuple[tuple[bool, ...], bool] | None:
+        n = self.asked.pop(rid, None)
+        return None if n is None else ((self.held,) * n, True)
+
+    def close(self) -> None:
+        pass
+
+
+def _local_recheck_cost(requests: list[Request], block_size: int, tp: int) -> None:
+    """The local store's recheck: its steps while every value is found held as the mirror knows (the usual
+    answer), and the step whose answer finds all of them gone (1,024 values settled and announced)."""
+    identity = KVIdentity("m", "", "float16", "default", block_size, 8, 128, ("l0",), tp, 1)
+    keys = KeySpace(identity)
+    events = KVEvents(keys, tier_of("redis://h:6379"), store=False)
+    local = LocalTierEvents(events, LocalMirror(ValueParts.single(keys), tp))
+    for request in requests:
+        hashes = list(request.block_hashes)
+        local.planned(request, list(enumerate(hashes)))
+        local.update_local([(keys.store_key(h, rank), True) for h in hashes for rank in range(tp)])
+        events.take()
+    client = _Answering()
+    recheck = ResidencyRecheck(local, client, interval=0.0)  # type: ignore[arg-type]
+    rounds: list[tuple[float, float]] = []
+    for i in range(6):
+        client.held = i % 2 == 0  # alternately: all there (nothing changes), all gone (all announced)
+        steps = []
+        while True:
+            t0 = time.perf_counter()
+            recheck.step()
+            steps.append(time.perf_counter() - t0)
+            if not recheck.asking:
+                break
+        events.take()
+        rounds.append((max(steps), sum(steps)))
+
+    def median(i: int, held: bool) -> float:
+        picked = sorted(r[i] for n, r in enumerate(rounds) if (n % 2 == 0) == held)
+        return picked[len(picked) // 2] * 1e3
+
+    print(
+        f"local recheck of {RECHECK_VALUES} values, {tp} rank(s), all there / all gone (announced): "
+        f"longest step {median(0, True):.2f} / {median(0, False):.2f} ms, "
+        f"all its steps {median(1, True):.2f} / {median(1, False):.2f} ms (median of 3 each)"
+    )
 
 if __name__ == "__main__":
     main()

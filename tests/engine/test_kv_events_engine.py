@@ -201,6 +201,61 @@ def test_a_router_sees_the_local_store_apart_from_the_shared_one(
     assert held[here] & set(want) == on_disk() == set(want)
 
 
+def test_a_router_hears_another_engines_sweep_and_write_of_the_local_directory(
+    text_model: Path, engines: list[Any], tmp_path: Path
+) -> None:
+    """Another engine's store on the same local directory sweeps it (past its ``max_bytes``), later the
+    values are written there again: this engine's workers hear neither. With ``kv_events_recheck`` the
+    scheduler asks the directory again, and while the engine serves other prompts (never that one) a router
+    replaying vLLM's publisher drops the prompt's values from the local residency, then finds them again --
+    each time exactly what the directory holds; the shared store's residency keeps them throughout."""
+    from asyncconn.runtime import get_runtime
+    from asyncconn.store import TensorStore
+
+    here, shared = ("STORAGE", "asyncconn:local"), ("STORAGE", "asyncconn:file")
+    local_dir = tmp_path / "local"
+    llm, probe, replay_port, block_hashes, want = _announced(
+        text_model, engines, here, f"file://{tmp_path / 'shared'}",
+        local_store_url=f"file://{local_dir}", kv_events_recheck="300ms",
+    )  # fmt: skip
+    worker = probe.kv_worker_connector().worker_side
+    local = worker.store.layered.local
+    keys = [worker.keys.store_key(h, 0) for h in worker.keys.value_hashes(block_hashes)]
+    saved = {key: local.path_for(key).read_bytes() for key in keys}
+
+    def on_disk() -> set[Any]:  # asked of the directory itself
+        there = worker.runtime.run(local.exists(keys))
+        return {h for h, present in zip(want, there, strict=True) if present}
+
+    runtime = get_runtime()
+    other = runtime.run(TensorStore.open(f"file://{local_dir}?max_bytes=1"), 30)  # sweeps as it opens
+    runtime.run(other.close(), 30)
+    assert on_disk() == set()
+    held = _serve_others_until(llm, replay_port, lambda held: not held[here] & set(want))
+    assert held[here] & set(want) == on_disk() == set()
+    assert set(want) <= held[shared]
+
+    for key, data in saved.items():  # written there again (by the other engine)
+        local.path_for(key).write_bytes(data)
+    held = _serve_others_until(llm, replay_port, lambda held: set(want) <= held[here])
+    assert_idle(probe)
+    assert held[here] & set(want) == on_disk() == set(want)
+    side = probe.kv_scheduler_connector().scheduler_side
+    assert side.local_recheck is not None and side.local_recheck.removed == len(keys)
+
+
+def _serve_others_until(llm: Any, replay_port: int, done: Any, prompts: int = 40) -> dict[Any, set[Any]]:
+    """Serve prompts sharing nothing with ``PROMPTS[0]`` (never looked up again) until ``done`` holds of
+    the residency a router replaying the publisher holds; that residency."""
+    held: dict[Any, set[Any]] = {}
+    for n in range(prompts):
+        generate(llm, [[(t + n + 1) % 200 + 1 for t in PROMPTS[1]]], max_tokens=4)
+        held = routers.residency(routers.replayed_batches(replay_port))
+        if done(held):
+            break
+    return held
+
+
 def test_a_value_deleted_behind_the_stores_back_is_announced_removed_at_the_next_lookup(
     text_model: Path, engines: list[Any], tmp_path: Path
 ) -> None:
@@ -253,12 +308,7 @@ def test_a_mooncake_value_removed_behind_the_engines_back_is_announced_while_it_
     finally:
         runtime.run(other.close(), 30)
 
-    held: set[Any] = set(want)
-    for n in range(40):  # other prompts only: prompt 0 is never looked up again
-        generate(llm, [[(t + n + 1) % 200 + 1 for t in PROMPTS[1]]], max_tokens=4)
-        held = routers.residency(routers.replayed_batches(replay_port))[store]
-        if want[2] not in held:
-            break
+    held = _serve_others_until(llm, replay_port, lambda held: want[2] not in held[store])[store]
     assert_idle(probe)
     assert held & set(want) == set(want) - {want[2]}
     there = worker.runtime.run(worker.store.exists(keys))

@@ -59,7 +59,7 @@ from asyncconn.vllm.kv.localevents import LocalMirror, LocalNews, LocalTierEvent
 from asyncconn.vllm.kv.localstore import LocalStoreHits
 from asyncconn.vllm.kv.metadata import AsyncConnKVMetadata, AsyncConnKVStats
 from asyncconn.vllm.kv.parts import ValueParts
-from asyncconn.vllm.kv.recheck import ResidencyRecheck
+from asyncconn.vllm.kv.recheck import ResidencyRecheck, StoreResidency
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from asyncconn.vllm.kv.stages import StageSpaces
 from asyncconn.vllm.kv.tierevents import TierEvents
@@ -268,7 +268,7 @@ class AsyncConnKVConnector(
             return None
         shared = lookup.store if lookup is not None else None
         client = open_lookup_client(LookupConfig.from_settings(self.settings), EXISTS, store=shared)
-        return ResidencyRecheck(events, client, space, interval=interval)
+        return ResidencyRecheck(StoreResidency(events, space), client, interval=interval)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -364,25 +364,41 @@ class AsyncConnKVConnector(
                 scheduler.tier_events = TierEvents(scheduler.events, mirror)
 
     def _follow_local_store(self, scheduler: KVSchedulerSide, parts: ValueParts, tp_size: int) -> None:
-        """The local store's own KV events (see __init__), where they are published."""
+        """The local store's own KV events (see __init__), where they are published, and with
+        ``kv_events_recheck`` the directory asked again about the values they follow, through a lookup
+        client sharing the ``disk`` hits' store where there is one (:mod:`asyncconn.vllm.kv.recheck`)."""
+        if scheduler.local_recheck is not None:
+            scheduler.local_recheck.close()
         if scheduler.local_events is not None:
             scheduler.local_events.close()
-        scheduler.local_events = None
+        scheduler.local_events = scheduler.local_recheck = None
         if self._local_events and scheduler.events is not None:
             mirror = LocalMirror(parts, tp_size, scheduler.spaces)
-            scheduler.local_events = LocalTierEvents(scheduler.events, mirror)
+            scheduler.local_events = events = LocalTierEvents(scheduler.events, mirror)
+            if self.settings.kv_events_recheck > 0:
+                hits = scheduler.local_store
+                client = open_lookup_client(
+                    self._local_lookup_config(), EXISTS, store=hits.lookup.store if hits is not None else None
+                )
+                interval = self.settings.kv_events_recheck
+                scheduler.local_recheck = ResidencyRecheck(events, client, interval=interval)
+
+    def _local_lookup_config(self) -> LookupConfig:
+        """Lookups of the local store (``local_store_url``): asked directly, never of a lookup server."""
+        assert self.settings.local_store_url is not None
+        shared = LookupConfig.from_settings(self.settings)
+        return dataclasses.replace(
+            shared, backend_url=self.settings.local_store_url, lookup_server=None, lookup_server_key=None
+        )
 
     def _local_store_hits(self, parts: ValueParts) -> LocalStoreHits | None:
         """The scheduler's questions to the local store (``local_store_url``), to count its hits as
         ``disk``: none without one, nor for values stored in parts (:mod:`asyncconn.vllm.kv.localstore`)."""
-        url = self.settings.local_store_url
-        if url is None or len(parts.keys) != 1:
+        if self.settings.local_store_url is None or len(parts.keys) != 1:
             return None
-        shared = LookupConfig.from_settings(self.settings)
-        config = dataclasses.replace(shared, backend_url=url, lookup_server=None, lookup_server_key=None)
         # Every stage's keys of a value (asyncconn.vllm.kv.stages): each stage reads its own from the disk.
         per_value = parts.keys[0].keys_per_value * self._stages
-        return LocalStoreHits(open_lookup_client(config, EXISTS), per_value)
+        return LocalStoreHits(open_lookup_client(self._local_lookup_config(), EXISTS), per_value)
 
     def _worker_tier(self, store: TensorStore) -> WorkerTierNews | None:
         """Claims: the tier registered for the scheduler in this process; reports: reporting to it."""
@@ -409,6 +425,9 @@ class AsyncConnKVConnector(
             self._scheduler.spaces.reset(keys)  # (the events' too: one object)
             self._follow_tiers(self._scheduler, parts)
             self._follow_local_store(self._scheduler, parts, tp_size)
+            if self._scheduler.recheck is not None:  # it asks in the new key space
+                self._scheduler.recheck.close()
+                self._scheduler.recheck = self._recheck(self._scheduler.events, parts, self._scheduler.lookup)
         if self._worker is not None:
             self._worker.keys, self._worker.parts = keys, parts
             self._worker.set_rank(rank)

@@ -15,16 +15,23 @@ snapshotted a payload for (a planned save or load, as for the host tiers), which
 directory holds (:class:`LocalMirror`), and publishes a value when every rank's key is there.
 
 Any worker may report any rank's key: the directory is shared by the ranks on this host, and the one whose
-sweep ran reports what it removed. What other engines sharing the directory write or remove is not heard
-(their own events name what they wrote); values left in it by an earlier run are announced when a load
-reads them. The lookup that counts ``disk`` hits asks the directory itself (:mod:`.localstore`), never this.
+sweep ran reports what it removed. What the workers cannot hear -- another engine sharing the directory
+writing or sweeping it, a sweep run by the scheduler process's own lookup store, a file deleted behind the
+store's back -- is found by asking the directory again on a timer (``kv_events_recheck``,
+:mod:`asyncconn.vllm.kv.recheck`): :class:`LocalTierEvents` is that recheck's :class:`Residency` too. An
+answer changes only the keys no report changed since the question was prepared (the mirror counts its
+changes): a report may describe a change made after the directory answered. Values left in the directory
+by an earlier run are announced when a load reads them or a recheck finds them. The lookup that counts
+``disk`` hits asks the directory itself (:mod:`.localstore`), never this.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable, Sequence
 
+from asyncconn.lookup.protocol import store_key
 from asyncconn.vllm.kv.events import MAX_VALUES, KVEvents, Tier
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.stages import StageSpaces
@@ -71,26 +78,47 @@ class LocalNews:
 
 class LocalMirror:
     """Which keys of the values the scheduler follows the local store holds (bounded by what it follows:
-    keys it has not snapshotted a value for are never kept)."""
+    keys it has not snapshotted a value for are never kept), and when each last changed (a count of the
+    changes applied, :attr:`generation`: a recheck's answer must not undo a change reported after it was
+    prepared)."""
 
     def __init__(self, parts: ValueParts, tp_size: int, spaces: StageSpaces | None = None) -> None:
         self.parts = parts
         self.spaces = spaces if spaces is not None else StageSpaces(parts.keys[0])
         self._tp = tp_size
         self._held: set[str] = set()
+        self._changed: dict[str, int] = {}  # key -> the generation of its last reported change
+        self.generation = 0
 
     def keys_of(self, value_hashes: Sequence[bytes]) -> list[tuple[str, bytes]]:
         """(key, value hash) of every worker's key of ``value_hashes``."""
         return self.spaces.keys_of(value_hashes)
 
     def apply(self, key: str, held: bool) -> None:
+        """A worker's report: the directory took ``key`` in or let it go."""
+        self.generation += 1
+        self._changed[key] = self.generation
         if held:
             self._held.add(key)
         else:
             self._held.discard(key)
 
+    def settle(self, key: str, held: bool, since: int) -> bool:
+        """A recheck's answer about ``key``, asked once the mirror was at generation ``since``: taken
+        unless a report changed the key after that (the report may postdate the answer). Whether it
+        changed what the mirror holds."""
+        if self._changed.get(key, 0) > since or (key in self._held) == held:
+            return False
+        if held:
+            self._held.add(key)
+        else:
+            self._held.discard(key)
+        return True
+
     def forget(self, keys: Iterable[str]) -> None:
-        self._held.difference_update(keys)
+        for key in keys:
+            self._held.discard(key)
+            self._changed.pop(key, None)
 
     def everywhere(self, part: int, value_hash: bytes) -> bool:
         """Whether the directory holds every rank's key of part ``part`` of ``value_hash`` (of every
@@ -106,6 +134,7 @@ class LocalMirror:
 
     def close(self) -> None:
         self._held.clear()
+        self._changed.clear()
 
 
 class LocalTierEvents(TierEvents):
@@ -127,6 +156,52 @@ class LocalTierEvents(TierEvents):
                 self.mirror.apply(key, held)
                 changed[value_hash] = None
         self._publish(changed)
+
+    # -- asked again (asyncconn.vllm.kv.recheck.Residency) -------------------------------------------------
+    def oldest(self, n: int) -> list[tuple[bytes, object]]:
+        """The ``n`` values followed longest ago (published or not), moved to the back, each with the
+        mirror's generation now: the next call hands out the next ones. (A value just asked about is as
+        well known as one planned now, so the turn also decides which are forgotten first.)"""
+        known = self._known
+        out = list(itertools.islice(known, n))
+        for value_hash in out:
+            known.move_to_end(value_hash)
+        since = self.mirror.generation
+        return [(value_hash, since) for value_hash in out]
+
+    def question(self, value_hashes: Sequence[bytes]) -> list[bytes] | None:
+        """Every pipeline stage's keys of each value, value by value (None until every stage's key space
+        is known: a later stage's copies could not be asked about)."""
+        spaces = self.mirror.spaces.every_stage(self.mirror.parts.keys[0])
+        if spaces is None:
+            return None
+        return [
+            space.value_key(h, rank)
+            for h in value_hashes
+            for space in spaces
+            for rank in range(space.keys_per_value)
+        ]
+
+    def answered(
+        self, asked: Sequence[tuple[bytes, object]], keys: Sequence[bytes], held: Sequence[bool]
+    ) -> int:
+        """What the directory holds of the values still followed, settled in the mirror (a key a worker
+        reported since the question was prepared keeps the report's word), then published: a value found
+        whole is announced stored, one found missing a key removed. Returns how many were removed."""
+        if not asked:
+            return 0
+        per_value = len(keys) // len(asked)
+        prefix = self.mirror.parts.keys[0].key_prefix
+        changed: list[bytes] = []
+        for i, (value_hash, since) in enumerate(asked):
+            if value_hash not in self._known:
+                continue  # forgotten since: its keys are no longer mirrored
+            assert isinstance(since, int)
+            span = range(i * per_value, (i + 1) * per_value)
+            settled = [self.mirror.settle(store_key(prefix, keys[j]), held[j], since) for j in span]
+            if any(settled):
+                changed.append(value_hash)
+        return self._publish(changed)
 
     def _forget_oldest(self) -> None:
         value_hash = next(iter(self._known))

@@ -94,7 +94,8 @@ class KVSchedulerSide:
     (:mod:`asyncconn.vllm.kv.localevents`). ``spaces``: every pipeline stage's key space, as the workers'
     reports name them (:mod:`asyncconn.vllm.kv.stages`; shared with all of the above). ``recheck`` (the
     store's KV events on, ``kv_events_recheck``): values announced stored are asked about again on a timer,
-    so a removal the store never reports is announced (:mod:`asyncconn.vllm.kv.recheck`).
+    so a removal the store never reports is announced (:mod:`asyncconn.vllm.kv.recheck`); its attribute
+    ``local_recheck`` does the same for ``local_events``.
     """
 
     def __init__(
@@ -116,7 +117,9 @@ class KVSchedulerSide:
     ) -> None:
         self.keys = keys
         self.recheck = recheck
-        self._rechecked = (0, 0)  # ``recheck``'s counters at the last stats()
+        #: The local store's residency asked again (set with ``local_events``, by the connector).
+        self.local_recheck: ResidencyRecheck | None = None
+        self._rechecked = (0, 0)  # both rechecks' counters at the last stats()
         self.host = host
         self.local_store = local_store
         self.tier_events = tier_events
@@ -356,8 +359,8 @@ class KVSchedulerSide:
         the last answer is in): otherwise vLLM's back-to-back empty steps starve the loop that answers them,
         and each request waits tens of empty steps before its admission. A step with work never waits.
         """
-        if self.recheck is not None:
-            self.recheck.step()
+        for recheck in self._rechecks():
+            recheck.step()
         preempted = frozenset(so.preempted_req_ids or ())
         for rid in so.finished_req_ids:
             self._forget(rid)
@@ -562,8 +565,9 @@ class KVSchedulerSide:
         if self.events is not None and self.events.dropped != self._events_dropped:
             changed["events_dropped"] = self.events.dropped - self._events_dropped
             self._events_dropped = self.events.dropped
-        if self.recheck is not None and (self.recheck.rechecked, self.recheck.removed) != self._rechecked:
-            now = (self.recheck.rechecked, self.recheck.removed)
+        rechecks = self._rechecks()
+        now = (sum(r.rechecked for r in rechecks), sum(r.removed for r in rechecks))
+        if now != self._rechecked:
             changed["events_rechecked"] = now[0] - self._rechecked[0]
             changed["events_recheck_removed"] = now[1] - self._rechecked[1]
             self._rechecked = now
@@ -600,6 +604,9 @@ class KVSchedulerSide:
             out.update(self.local_store.held())
         return out
 
+    def _rechecks(self) -> list[ResidencyRecheck]:
+        return [r for r in (self.recheck, self.local_recheck) if r is not None]
+
     def close(self) -> None:
         self._reqs.clear()
         self._hits.clear()
@@ -615,9 +622,9 @@ class KVSchedulerSide:
             self.local_events.close()
         if self.events is not None:
             self.events.close()
+        for recheck in self._rechecks():  # before the lookups: they may share their stores
+            recheck.close()
         if self.local_store is not None:
             self.local_store.close()
-        if self.recheck is not None:  # before the lookups: it may share their store
-            self.recheck.close()
         if self.lookup is not None:
             self.lookup.close()

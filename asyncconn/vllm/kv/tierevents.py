@@ -85,9 +85,11 @@ class TierEvents:
                     changed[value_hash] = None
         self._publish(changed)
 
-    def _publish(self, changed: Iterable[bytes]) -> None:
-        """Events for the values whose keys changed, where the tier's holding of them did."""
+    def _publish(self, changed: Iterable[bytes]) -> int:
+        """Events for the values whose keys changed, where the tier's holding of them did; how many values
+        were announced removed."""
         removed: list[Any] = []
+        values_removed = 0
         for value_hash in changed:
             known = self._known.get(value_hash)
             if known is None:  # forgotten past the bound (its keys went with it; this is for safety)
@@ -99,8 +101,10 @@ class TierEvents:
             elif known.published and not held:
                 known.published = False
                 removed.extend(known.event.block_hashes)
+                values_removed += 1
         if removed:
             self.events.emit(self.events.removed_event(removed, self.tier))
+        return values_removed
 
     def published(self) -> dict[bytes, list[Any]]:
         """Value hash -> block hashes of the values whose last event said every rank's tier holds them."""

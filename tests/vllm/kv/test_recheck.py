@@ -16,7 +16,7 @@ import pytest
 from vllm.distributed.kv_events import BlockRemoved
 
 from asyncconn.vllm.kv.events import KVEvents, SavedReport
-from asyncconn.vllm.kv.recheck import ResidencyRecheck
+from asyncconn.vllm.kv.recheck import ResidencyRecheck, StoreResidency
 from tests.vllm.kv.test_events import _events, _Published, _published, _request
 from tests.vllm.kv.test_support import kv_spec, leaks, prompt, run_checked
 
@@ -54,6 +54,10 @@ class _Client:
         self.closed = True
 
 
+def _recheck(events: KVEvents, client: _Client, **kwargs: Any) -> ResidencyRecheck:
+    return ResidencyRecheck(StoreResidency(events, events.keys), client, **kwargs)  # type: ignore[arg-type]
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -84,7 +88,7 @@ def test_a_recheck_asks_on_its_interval_and_announces_only_what_the_store_said_i
     events = _events(tp=2, url="mooncake://h:50051")
     h = _stored(events, 3)
     client, clock = _Client(), _Clock()
-    recheck = ResidencyRecheck(events, client, events.keys, interval=10.0, values=2, clock=clock)  # type: ignore[arg-type]
+    recheck = _recheck(events, client, interval=10.0, values=2, clock=clock)
 
     recheck.step()
     assert client.asked == {}  # not before its interval
@@ -116,13 +120,14 @@ def test_a_recheck_asks_on_its_interval_and_announces_only_what_the_store_said_i
 
 def test_a_large_recheck_names_its_keys_over_several_steps() -> None:
     """No step names more than ``KEYS_PER_STEP`` values' keys (a hash per rank each): 300 values take three
-    steps, and the third asks the store about all of them at once, in order."""
+    steps, and the third asks the store about all of them at once, in order; the answer is taken in over
+    three steps too."""
     from asyncconn.vllm.kv import recheck as recheck_module
 
     events = _events(tp=2)
     h = _stored(events, 300)
     client, clock = _Client(), _Clock()
-    recheck = ResidencyRecheck(events, client, events.keys, interval=1.0, values=300, clock=clock)  # type: ignore[arg-type]
+    recheck = _recheck(events, client, interval=1.0, values=300, clock=clock)
     clock.now += 1.0
     named = []
     real = events.keys.lookup_keys
@@ -139,15 +144,23 @@ def test_a_large_recheck_names_its_keys_over_several_steps() -> None:
     assert named == [recheck_module.KEYS_PER_STEP] * 2 + [300 - 2 * recheck_module.KEYS_PER_STEP]
     ((rid, keys),) = client.asked.items()
     assert keys == real(h)
-    client.answers[rid] = ((True,) * 600, True)
-    recheck.step()
-    assert events.take() == [] and (recheck.rechecked, recheck.removed, recheck.asking) == (300, 0, False)
+    # The answer is taken in over as many steps: one value missing in each step's share.
+    firsts = (0, recheck_module.KEYS_PER_STEP, 2 * recheck_module.KEYS_PER_STEP)
+    answer = [True] * 600
+    for gone in firsts:
+        answer[2 * gone + 1] = False  # its rank-1 key
+    client.answers[rid] = (tuple(answer), True)
+    for step, gone in enumerate(firsts):
+        recheck.step()
+        (removed,) = events.take()
+        assert removed.block_hashes == _published([h[gone]])
+        assert (recheck.rechecked, recheck.removed, recheck.asking) == (300, step + 1, step < 2)
 
 
 def test_nothing_remembered_asks_nothing() -> None:
     events = _events()
     client, clock = _Client(), _Clock()
-    recheck = ResidencyRecheck(events, client, events.keys, interval=1.0, clock=clock)  # type: ignore[arg-type]
+    recheck = _recheck(events, client, interval=1.0, clock=clock)
     clock.now += 5.0
     recheck.step()
     assert client.asked == {} and not recheck.asking
