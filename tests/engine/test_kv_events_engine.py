@@ -244,6 +244,35 @@ def test_a_router_hears_another_engines_sweep_and_write_of_the_local_directory(
     assert side.local_recheck is not None and side.local_recheck.removed == len(keys)
 
 
+def test_a_sweep_by_the_schedulers_own_lookup_store_is_announced(
+    text_model: Path, engines: list[Any], tmp_path: Path
+) -> None:
+    """The scheduler's process opens the shared ``file://`` store to answer lookups, and a ``file://`` store
+    sweeps wherever it is open: a sweep that runs there (past ``max_bytes``) evicts the prompt's values,
+    which no worker hears. With the recheck off, a router replaying vLLM's publisher still drops them at the
+    next step -- the scheduler hooked its own store -- and its residency equals what the store holds."""
+    from asyncconn.runtime import get_runtime
+
+    store = ("STORAGE", "asyncconn:file")
+    llm, probe, replay_port, block_hashes, want = _announced(
+        text_model, engines, store, f"file://{tmp_path}", kv_events_recheck=0
+    )
+    side = probe.kv_scheduler_connector().scheduler_side
+    assert side.lookup is not None and side.lookup.store is not None
+    backend = side.lookup.store.backend
+    backend.max_bytes = 1
+    report = get_runtime().run(backend.sweep(), 30)
+    backend.max_bytes = 0
+    assert report is not None and report.evicted >= len(want)
+    generate(llm, [PROMPTS[1][::-1]], max_tokens=4)  # steps: the scheduler publishes what it heard
+    assert_idle(probe)
+    held = routers.residency(routers.replayed_batches(replay_port))[store]
+    worker = probe.kv_worker_connector().worker_side
+    keys = [worker.keys.store_key(h, 0) for h in worker.keys.value_hashes(block_hashes)]
+    there = worker.runtime.run(worker.store.exists(keys))
+    assert not any(there) and held & set(want) == set()
+
+
 def _serve_others_until(llm: Any, replay_port: int, done: Any, prompts: int = 40) -> dict[Any, set[Any]]:
     """Serve prompts sharing nothing with ``PROMPTS[0]`` (never looked up again) until ``done`` holds of
     the residency a router replaying the publisher holds; that residency."""

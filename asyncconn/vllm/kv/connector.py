@@ -247,6 +247,8 @@ class AsyncConnKVConnector(
                 spaces=spaces,
                 recheck=self._recheck(kv_events, parts, lookup) if events else None,
             )
+            if events and lookup is not None:  # what its own lookup store removes (a file:// sweep)
+                self._scheduler.own_removals.hear_shared(lookup.store)
             self._follow_local_store(self._scheduler, parts, tp_size)
             self._follow_tiers(self._scheduler, parts)
             where = _lookups(self.settings, lookup)
@@ -366,7 +368,8 @@ class AsyncConnKVConnector(
     def _follow_local_store(self, scheduler: KVSchedulerSide, parts: ValueParts, tp_size: int) -> None:
         """The local store's own KV events (see __init__), where they are published, and with
         ``kv_events_recheck`` the directory asked again about the values they follow, through a lookup
-        client sharing the ``disk`` hits' store where there is one (:mod:`asyncconn.vllm.kv.recheck`)."""
+        client sharing the ``disk`` hits' store where there is one (:mod:`asyncconn.vllm.kv.recheck`); what
+        this process's store of the directory removes is heard (:mod:`asyncconn.vllm.kv.ownremovals`)."""
         if scheduler.local_recheck is not None:
             scheduler.local_recheck.close()
         if scheduler.local_events is not None:
@@ -375,13 +378,14 @@ class AsyncConnKVConnector(
         if self._local_events and scheduler.events is not None:
             mirror = LocalMirror(parts, tp_size, scheduler.spaces)
             scheduler.local_events = events = LocalTierEvents(scheduler.events, mirror)
+            hits = scheduler.local_store
+            local_store = hits.lookup.store if hits is not None else None
             if self.settings.kv_events_recheck > 0:
-                hits = scheduler.local_store
-                client = open_lookup_client(
-                    self._local_lookup_config(), EXISTS, store=hits.lookup.store if hits is not None else None
-                )
+                client = open_lookup_client(self._local_lookup_config(), EXISTS, store=local_store)
                 interval = self.settings.kv_events_recheck
                 scheduler.local_recheck = ResidencyRecheck(events, client, interval=interval)
+                local_store = client.store
+            scheduler.own_removals.hear_local(local_store)  # what this process's sweeps of it remove
 
     def _local_lookup_config(self) -> LookupConfig:
         """Lookups of the local store (``local_store_url``): asked directly, never of a lookup server."""

@@ -44,6 +44,7 @@ from asyncconn.vllm.kv.metadata import (
     ValueRef,
     lookup_totals,
 )
+from asyncconn.vllm.kv.ownremovals import OwnRemovals
 from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.recheck import ResidencyRecheck
 from asyncconn.vllm.kv.stages import StageSpaces
@@ -119,6 +120,9 @@ class KVSchedulerSide:
         self.recheck = recheck
         #: The local store's residency asked again (set with ``local_events``, by the connector).
         self.local_recheck: ResidencyRecheck | None = None
+        #: What the stores this process opened for its lookups removed (hooked by the connector, with
+        #: KV events on: :mod:`asyncconn.vllm.kv.ownremovals`).
+        self.own_removals = OwnRemovals()
         self._rechecked = (0, 0)  # both rechecks' counters at the last stats()
         self.host = host
         self.local_store = local_store
@@ -359,6 +363,7 @@ class KVSchedulerSide:
         the last answer is in): otherwise vLLM's back-to-back empty steps starve the loop that answers them,
         and each request waits tens of empty steps before its admission. A step with work never waits.
         """
+        self.own_removals.step(self.events, self.local_events)
         for recheck in self._rechecks():
             recheck.step()
         preempted = frozenset(so.preempted_req_ids or ())
@@ -562,9 +567,10 @@ class KVSchedulerSide:
         lookup = self.lookup
         observed = sum(lookup.metrics.latency_buckets) if lookup is not None else 0
         changed = self._totals.take()
-        if self.events is not None and self.events.dropped != self._events_dropped:
-            changed["events_dropped"] = self.events.dropped - self._events_dropped
-            self._events_dropped = self.events.dropped
+        dropped = self.own_removals.dropped + (self.events.dropped if self.events is not None else 0)
+        if dropped != self._events_dropped:
+            changed["events_dropped"] = dropped - self._events_dropped
+            self._events_dropped = dropped
         rechecks = self._rechecks()
         now = (sum(r.rechecked for r in rechecks), sum(r.removed for r in rechecks))
         if now != self._rechecked:
@@ -602,6 +608,7 @@ class KVSchedulerSide:
             out.update(self.host.held())
         if self.local_store is not None:
             out.update(self.local_store.held())
+        out.update(self.own_removals.held())
         return out
 
     def _rechecks(self) -> list[ResidencyRecheck]:
@@ -622,6 +629,7 @@ class KVSchedulerSide:
             self.local_events.close()
         if self.events is not None:
             self.events.close()
+        self.own_removals.close()
         for recheck in self._rechecks():  # before the lookups: they may share their stores
             recheck.close()
         if self.local_store is not None:

@@ -1,0 +1,78 @@
+"""Removals made by the stores vLLM's scheduler process opened for its own lookups, published as KV events.
+
+A store that removes values by its own doing tells whoever hooked it (``StorageBackend.on_removed``), in the
+process where the removal ran. The workers hook their stores (:mod:`asyncconn.vllm.kv.worker`), but the
+scheduler's process opens stores too: the shared store, to answer lookups, and with ``local_store_url`` the
+local directory, to count ``disk`` hits (and the local recheck's, where there is no such store). A
+``file://`` store sweeps (``max_bytes``, ``max_age``) in every process that has it open, one process at a
+time, so a sweep that runs in the scheduler's process removes values no worker hears of: without this, a
+router would keep them in its view until the engine next looked them up or a recheck asked
+(:mod:`asyncconn.vllm.kv.recheck`). (A Redis store that reports the server's removals reports them in every
+process that listens; a key heard twice is announced once.)
+
+:class:`OwnRemovals` hooks those stores, buffers what they remove (on the loop thread, bounded like the
+workers' buffers) and hands it to the events at the scheduler's next step, as if a worker had reported it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from asyncconn.store import TensorStore
+from asyncconn.vllm.kv.events import KVEvents, SaveReports
+from asyncconn.vllm.kv.localevents import LocalNews, LocalTierEvents
+
+__all__ = ["OwnRemovals"]
+
+
+class OwnRemovals:
+    """The scheduler side's hooks on its own stores. :meth:`hear_shared` / :meth:`hear_local` and
+    :meth:`step` run on vLLM's scheduler thread; the hooks on the loop thread (each buffer has its lock)."""
+
+    def __init__(self) -> None:
+        self._shared = SaveReports()  # the shared store's removed keys (its ``report_removed`` buffer)
+        self._local = LocalNews()  # the local directory's
+        self._hooked: list[Any] = []  # the backends whose ``on_removed`` is ours, unhooked on close
+
+    def hear_shared(self, store: TensorStore | None) -> None:
+        """Hear what the shared store ``store`` (a lookup client's, None behind a lookup server) removes."""
+        self._hook(store, self._shared.report_removed)
+
+    def hear_local(self, store: TensorStore | None) -> None:
+        """Hear what the local directory's store ``store`` lets go."""
+        self._hook(store, self._local_removed)
+
+    def _hook(self, store: TensorStore | None, hook: Any) -> None:
+        backend: Any = store.backend if store is not None else None
+        # Feature-detected, as in the workers: a backend without the hook reports nothing.
+        if backend is not None and hasattr(backend, "on_removed") and backend not in self._hooked:
+            backend.on_removed = hook
+            self._hooked.append(backend)
+
+    def _local_removed(self, keys: Sequence[str]) -> None:
+        self._local.heard(keys, False)
+
+    def step(self, events: KVEvents | None, local_events: LocalTierEvents | None) -> None:
+        """What the stores removed since the last step, into the store's and the local store's events."""
+        report = self._shared.take()
+        if report is not None and events is not None:
+            events.update(report)
+        changes = self._local.take()
+        if changes and local_events is not None:
+            local_events.update_local(changes)
+
+    def held(self) -> dict[str, int]:
+        return {"own_removals": self._shared.held() + self._local.held()}
+
+    @property
+    def dropped(self) -> int:
+        """Keys let go because a buffer was full (counted with the events' ``events_dropped``)."""
+        return self._shared.dropped + self._local.dropped
+
+    def close(self) -> None:
+        for backend in self._hooked:
+            backend.on_removed = None
+        self._hooked.clear()
+        self._shared.take()
+        self._local.take()
