@@ -15,9 +15,10 @@ snapshotted a payload for (a planned save or load, as for the host tiers), which
 directory holds (:class:`LocalMirror`), and publishes a value when every rank's key is there.
 
 Any worker may report any rank's key: the directory is shared by the ranks on this host, and the one whose
-sweep ran reports what it removed. What the workers cannot hear -- another engine sharing the directory
-writing or sweeping it, a sweep run by the scheduler process's own lookup store, a file deleted behind the
-store's back -- is found by asking the directory again on a timer (``kv_events_recheck``,
+sweep ran reports what it removed (the scheduler's process, whose own store of the directory may sweep it
+too, hears its sweeps itself: :mod:`asyncconn.vllm.kv.ownremovals`). What no process of this engine can
+hear -- another engine sharing the directory writing or sweeping it, a file deleted behind the store's
+back -- is found by asking the directory again on a timer (``kv_events_recheck``,
 :mod:`asyncconn.vllm.kv.recheck`): :class:`LocalTierEvents` is that recheck's :class:`Residency` too. An
 answer changes only the keys no report changed since the question was prepared (the mirror counts its
 changes): a report may describe a change made after the directory answered. Values left in the directory

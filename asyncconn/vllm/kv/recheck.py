@@ -18,8 +18,8 @@ asked about keeps its residency (the answer may predate the new save).
 
 The same recheck follows the local store's residency (``local_store_url``,
 :class:`asyncconn.vllm.kv.localevents.LocalTierEvents`): its workers hear only their own engine's changes of
-the directory, so another engine's sweep of a shared directory -- or one run by the scheduler process's own
-lookup store -- is heard this way, and so is another engine's write of a value this engine follows. What
+the directory, so another engine's sweep of a shared directory is heard this way, and so is another
+engine's write of a value this engine follows. What
 is asked and what an answer changes is the :class:`Residency`'s: the store's is :class:`StoreResidency`.
 
 It runs from :meth:`KVSchedulerSide.build_connector_meta`, i.e. on engine steps: vLLM publishes events only
