@@ -145,6 +145,10 @@ def _row(label: str, result: Mapping[str, Any], metrics: Mapping[str, float]) ->
     row: dict[str, Any] = {"server": label}
     for name in _FIGURES:
         row[name] = round(float(result.get(name, float("nan"))), 2)
+    row["mean_ttft_ms"] = round(float(result.get("mean_ttft_ms", float("nan"))), 2)
+    # Every request's TTFT, lowest first: two servers' medians and tails can move apart when one serves
+    # requests evenly and the other in turn (the median alone does not tell the two apart).
+    row["ttfts_ms"] = sorted(round(float(t) * 1000, 1) for t in result.get("ttfts", []) if t)
     row["completed"] = result.get("completed")
     row["failed"] = result.get("failed")
     row["prompt_tokens"] = int(metrics.get("vllm:prompt_tokens_total", 0))
