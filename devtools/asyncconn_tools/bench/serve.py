@@ -109,6 +109,7 @@ def _client_args(args: argparse.Namespace, model: Path, base_url: str) -> list[s
         "--num-prompts", str(args.prompts), "--max-concurrency", str(args.concurrency),
         "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", "0",
         "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+        "--save-detailed",  # keeps every request's TTFT in the result (written nowhere without --save-result)
     ]  # fmt: skip
 
 
