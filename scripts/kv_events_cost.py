@@ -150,6 +150,17 @@ class _Present:
         pass
 
 
+def _timed_recheck(recheck: ResidencyRecheck) -> tuple[float, float]:
+    """One whole recheck, step by step until it is done: its longest step and the sum of its steps (s)."""
+    steps = []
+    while True:
+        t0 = time.perf_counter()
+        recheck.step()
+        steps.append(time.perf_counter() - t0)
+        if not recheck.asking:
+            return max(steps), sum(steps)
+
+
 def _recheck_cost(requests: list[Request], block_size: int, tp: int) -> None:
     identity = KVIdentity("m", "", "float16", "default", block_size, 8, 128, ("l0",), tp, 1)
     events = KVEvents(KeySpace(identity), tier_of("mooncake://h:50051"))
@@ -160,16 +171,7 @@ def _recheck_cost(requests: list[Request], block_size: int, tp: int) -> None:
         events.take()
         events.release(request.request_id)
     recheck = ResidencyRecheck(StoreResidency(events, events.keys), _Present(), interval=0.0)  # type: ignore[arg-type]
-    rounds: list[tuple[float, float]] = []
-    for _ in range(5):
-        steps = []
-        while True:
-            t0 = time.perf_counter()
-            recheck.step()
-            steps.append(time.perf_counter() - t0)
-            if not recheck.asking:
-                break
-        rounds.append((max(steps), sum(steps)))
+    rounds = [_timed_recheck(recheck) for _ in range(5)]
     oldest = [h for h, _ in events.oldest(RECHECK_VALUES)]
     t0 = time.perf_counter()
     events.keys.lookup_keys(oldest)
@@ -218,15 +220,8 @@ def _local_recheck_cost(requests: list[Request], block_size: int, tp: int) -> No
     rounds: list[tuple[float, float]] = []
     for i in range(6):
         client.held = i % 2 == 0  # alternately: all there (nothing changes), all gone (all announced)
-        steps = []
-        while True:
-            t0 = time.perf_counter()
-            recheck.step()
-            steps.append(time.perf_counter() - t0)
-            if not recheck.asking:
-                break
+        rounds.append(_timed_recheck(recheck))
         events.take()
-        rounds.append((max(steps), sum(steps)))
 
     def median(i: int, held: bool) -> float:
         picked = sorted(r[i] for n, r in enumerate(rounds) if (n % 2 == 0) == held)

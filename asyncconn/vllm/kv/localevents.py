@@ -173,15 +173,7 @@ class LocalTierEvents(TierEvents):
     def question(self, value_hashes: Sequence[bytes]) -> list[bytes] | None:
         """Every pipeline stage's keys of each value, value by value (None until every stage's key space
         is known: a later stage's copies could not be asked about)."""
-        spaces = self.mirror.spaces.every_stage(self.mirror.parts.keys[0])
-        if spaces is None:
-            return None
-        return [
-            space.value_key(h, rank)
-            for h in value_hashes
-            for space in spaces
-            for rank in range(space.keys_per_value)
-        ]
+        return self.mirror.spaces.value_keys(self.mirror.parts.keys[0], value_hashes)
 
     def answered(
         self, asked: Sequence[tuple[bytes, object]], keys: Sequence[bytes], held: Sequence[bool]

@@ -274,15 +274,7 @@ class KVSchedulerSide:
         token is counted as ``disk`` that a later stage might read from the shared store)."""
         if self.spaces.stages == 1:
             return keys
-        spaces = self.spaces.every_stage(self.keys)
-        if spaces is None:
-            return None
-        return [
-            space.value_key(h, rank)
-            for h in value_hashes
-            for space in spaces
-            for rank in range(space.keys_per_value)
-        ]
+        return self.spaces.value_keys(self.keys, value_hashes)
 
     # -- allocation ------------------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

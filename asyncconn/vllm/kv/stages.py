@@ -62,6 +62,19 @@ class StageSpaces:
             return None
         return [first, *self.known[1:]] if self.stages > 1 else [first]
 
+    def value_keys(self, first: KeySpace, value_hashes: Sequence[bytes]) -> list[bytes] | None:
+        """Every stage's distinct lookup keys of each value, value by value (``first`` as the first stage's,
+        see :meth:`every_stage`); None while a stage's key space is not known."""
+        spaces = self.every_stage(first)
+        if spaces is None:
+            return None
+        return [
+            space.value_key(h, rank)
+            for h in value_hashes
+            for space in spaces
+            for rank in range(space.keys_per_value)
+        ]
+
     def keys_of(self, value_hashes: Sequence[bytes]) -> list[tuple[str, bytes]]:
         """(store key, value hash) of every known stage's distinct keys of ``value_hashes``."""
         out: list[tuple[str, bytes]] = []

@@ -26,7 +26,7 @@ from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.recheck import ResidencyRecheck
 from tests.vllm.kv.test_connector import sim_hashes
 from tests.vllm.kv.test_events import _events, _published, _request
-from tests.vllm.kv.test_support import EventRouter, kv_spec, leaks, prompt, run_checked
+from tests.vllm.kv.test_support import EventRouter, kv_spec, leaks, prompt, record_stats, run_checked
 
 pytestmark = pytest.mark.interface
 
@@ -167,7 +167,7 @@ def test_a_directory_changed_behind_the_workers_backs_is_heard_by_the_recheck(
     full = [maybe_convert_block_hash(h) for h in sim_hashes(tokens)[:4]]
     assert router.held[LOCAL] == _on_local_disk(sim, tokens) == set(full)
     side = sim.scheduler.connector.scheduler_side
-    counted = _counted_stats(side)
+    counted = record_stats(side)
 
     last = sim.workers[-1].kv_connector.worker_side  # the last rank's file: any rank's missing key counts
     value_hashes = last.keys.value_hashes(sim_hashes(tokens))
@@ -195,21 +195,6 @@ def test_a_directory_changed_behind_the_workers_backs_is_heard_by_the_recheck(
     assert sum(c.get("events_rechecked", 0) for c in counted) == rechecked
     assert sum(c.get("events_recheck_removed", 0) for c in counted) == 1
     assert leaks(sim) == []
-
-
-def _counted_stats(side: Any) -> list[dict[str, Any]]:
-    """The scheduler side's stats as vLLM takes them each step, recorded from now on."""
-    counted: list[dict[str, Any]] = []
-    taken = side.stats
-
-    def recorded() -> Any:
-        stats = taken()
-        if stats is not None:
-            counted.append(dict(stats.data))
-        return stats
-
-    side.stats = recorded
-    return counted
 
 
 def _serve_others(sim: Any, until: Callable[[], bool], start: int = 0, seconds: float = 5.0) -> int:

@@ -18,7 +18,7 @@ from vllm.distributed.kv_events import BlockRemoved
 from asyncconn.vllm.kv.events import KVEvents, SavedReport
 from asyncconn.vllm.kv.recheck import ResidencyRecheck, StoreResidency
 from tests.vllm.kv.test_events import _events, _Published, _published, _request
-from tests.vllm.kv.test_support import kv_spec, leaks, prompt, run_checked
+from tests.vllm.kv.test_support import kv_spec, leaks, prompt, record_stats, run_checked
 
 pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
 
@@ -220,16 +220,7 @@ def _recheck_while_other_prompts_run(
     Path(worker.store.backend._path(worker.keys.store_key(value_hashes[1], 0))).unlink()
 
     side = sim.scheduler.connector.scheduler_side
-    counted: list[dict[str, Any]] = []  # the scheduler side's stats as vLLM takes them each step
-    taken = side.stats
-
-    def recorded() -> Any:
-        stats = taken()
-        if stats is not None:
-            counted.append(dict(stats.data))
-        return stats
-
-    side.stats = recorded  # type: ignore[method-assign]
+    counted = record_stats(side)
     deadline = time.monotonic() + 5.0
     n = 0
     while time.monotonic() < deadline and not _removed(published):

@@ -152,3 +152,19 @@ def check_tier_events(sim: Any, router: EventRouter) -> int:
         names = worker.keys.store_keys(list(published), worker.rank)
         assert all(lru.readable(name) for name in names), "a published value no longer in a tier"
     return len(published)
+
+
+def record_stats(side: Any) -> list[dict[str, Any]]:
+    """The KV scheduler side's stats as vLLM takes them each step (``side.stats()``), recorded from now on
+    in the list returned."""
+    counted: list[dict[str, Any]] = []
+    taken = side.stats
+
+    def recorded() -> Any:
+        stats = taken()
+        if stats is not None:
+            counted.append(dict(stats.data))
+        return stats
+
+    side.stats = recorded
+    return counted
