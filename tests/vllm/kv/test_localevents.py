@@ -12,8 +12,6 @@ tests are in ``tests/engine/test_kv_events_engine.py``.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,15 @@ from asyncconn.vllm.kv.parts import ValueParts
 from asyncconn.vllm.kv.recheck import ResidencyRecheck
 from tests.vllm.kv.test_connector import sim_hashes
 from tests.vllm.kv.test_events import _events, _published, _request
-from tests.vllm.kv.test_support import EventRouter, kv_spec, leaks, prompt, record_stats, run_checked
+from tests.vllm.kv.test_support import (
+    EventRouter,
+    kv_spec,
+    leaks,
+    prompt,
+    record_stats,
+    run_checked,
+    serve_others,
+)
 
 pytestmark = pytest.mark.interface
 
@@ -174,7 +180,7 @@ def test_a_directory_changed_behind_the_workers_backs_is_heard_by_the_recheck(
     path = last.store.layered.local.path_for(last.keys.store_key(value_hashes[1], last.rank))
     saved = path.read_bytes()
     path.unlink()
-    others = _serve_others(sim, until=lambda: full[1] not in router.held[LOCAL])
+    others = serve_others(sim, until=lambda: full[1] not in router.held[LOCAL])
     if not recheck:
         assert side.local_recheck is None
         assert router.held[LOCAL] & set(full) == set(full) and not router.of(BlockRemoved, LOCAL)
@@ -186,7 +192,7 @@ def test_a_directory_changed_behind_the_workers_backs_is_heard_by_the_recheck(
 
     path.write_bytes(saved)  # written again by the other engine
     stored = len(router.of(BlockStored, LOCAL))
-    _serve_others(sim, until=lambda: full[1] in router.held[LOCAL], start=others)
+    serve_others(sim, until=lambda: full[1] in router.held[LOCAL], start=others)
     again = [h for e in router.of(BlockStored, LOCAL)[stored:] for h in e.block_hashes]
     assert full[1] in again and not set(again) & (set(full) - {full[1]})  # only that value is new
     assert router.held[LOCAL] & set(full) == _on_local_disk(sim, tokens) == set(full)
@@ -195,19 +201,6 @@ def test_a_directory_changed_behind_the_workers_backs_is_heard_by_the_recheck(
     assert sum(c.get("events_rechecked", 0) for c in counted) == rechecked
     assert sum(c.get("events_recheck_removed", 0) for c in counted) == 1
     assert leaks(sim) == []
-
-
-def _serve_others(sim: Any, until: Callable[[], bool], start: int = 0, seconds: float = 5.0) -> int:
-    """Serve short prompts unrelated to the test's until ``until()`` holds or ``seconds`` pass; how many
-    were served so far (``start`` counts earlier ones: every prompt is new)."""
-    deadline = time.monotonic() + seconds
-    n = start
-    while time.monotonic() < deadline and not until():
-        n += 1
-        sim.add_request(f"other-{n}", prompt(100 + n, 2 * 16 + 1), max_tokens=2)
-        run_checked(sim)
-        time.sleep(0.05)
-    return n
 
 
 class _Client:

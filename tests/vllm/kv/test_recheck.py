@@ -18,7 +18,7 @@ from vllm.distributed.kv_events import BlockRemoved
 from asyncconn.vllm.kv.events import KVEvents, SavedReport
 from asyncconn.vllm.kv.recheck import ResidencyRecheck, StoreResidency
 from tests.vllm.kv.test_events import _events, _Published, _published, _request
-from tests.vllm.kv.test_support import kv_spec, leaks, prompt, record_stats, run_checked
+from tests.vllm.kv.test_support import kv_spec, leaks, prompt, record_stats, run_checked, serve_others
 
 pytestmark = pytest.mark.interface  # no model runner: scripts/lane-vllm033.sh runs this on vLLM 0.33 too
 
@@ -205,29 +205,14 @@ def test_a_value_deleted_behind_the_stores_back_is_announced_while_other_prompts
 def _recheck_while_other_prompts_run(
     make_sim: Any, url: str, extra: dict[str, Any], recheck: Any, via: str
 ) -> None:
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-    sim = make_sim(kv=kv_spec(url, **extra), kv_events=True)
-    published = _Published()
-    sim.scheduler.kv_event_publisher = published
-    tokens = prompt(21, 4 * BLOCK + 3)
-    sim.add_request("a", tokens, max_tokens=2)
-    run_checked(sim)
-    hashes = [maybe_convert_block_hash(h) for h in _request("h", tokens).block_hashes]
+    sim, published, hashes, value_hashes = _one_prompt_saved(make_sim, url, extra, seed=21)
     assert [h for e in published.ours("STORAGE") for h in e.block_hashes] == hashes
     worker = sim.workers[0].kv_connector.worker_side
-    value_hashes = worker.keys.value_hashes(_request("h", tokens).block_hashes)
     Path(worker.store.backend._path(worker.keys.store_key(value_hashes[1], 0))).unlink()
 
     side = sim.scheduler.connector.scheduler_side
     counted = record_stats(side)
-    deadline = time.monotonic() + 5.0
-    n = 0
-    while time.monotonic() < deadline and not _removed(published):
-        n += 1
-        sim.add_request(f"other-{n}", prompt(100 + n, 2 * BLOCK + 1), max_tokens=2)
-        run_checked(sim)
-        time.sleep(0.05)
+    serve_others(sim, until=lambda: bool(_removed(published)))
     if recheck:
         assert _removed(published) == [hashes[1]]
         removed = [e for b in published.batches for e in b.events if isinstance(e, BlockRemoved)]
@@ -256,20 +241,12 @@ def test_a_recheck_against_a_hung_redis_announces_nothing_and_stops_no_step(
 
     import redis
     from asyncconn_backends.redis.layout import main_key
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     url = f"{fresh_redis.url}?timeout=1s&prefix=rc{uuid.uuid4().hex[:8]}:"
     extra = {"kv_events_recheck": "100ms", "lookup_timeout": "300ms", "store_timeout": "1s"}
-    sim = make_sim(kv=kv_spec(url, **extra), kv_events=True)
-    published = _Published()
-    sim.scheduler.kv_event_publisher = published
-    tokens = prompt(31, 4 * BLOCK + 3)
-    sim.add_request("a", tokens, max_tokens=2)
-    run_checked(sim)
-    hashes = [maybe_convert_block_hash(h) for h in _request("h", tokens).block_hashes]
+    sim, published, hashes, value_hashes = _one_prompt_saved(make_sim, url, extra, seed=31)
     assert {h for e in published.ours("CPU") for h in e.block_hashes} == set(hashes)
     worker = sim.workers[0].kv_connector.worker_side
-    value_hashes = worker.keys.value_hashes(_request("h", tokens).block_hashes)
     name = main_key(worker.store.backend.prefix, worker.keys.store_key(value_hashes[1], 0))
     assert redis.Redis(port=fresh_redis.port).delete(name) == 1  # behind the store's back
     side = sim.scheduler.connector.scheduler_side
@@ -295,14 +272,28 @@ def test_a_recheck_against_a_hung_redis_announces_nothing_and_stops_no_step(
         fresh_redis.resume()
         gc.unfreeze()
 
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline and not _store_removed(published):
-        n += 1
-        sim.add_request(f"back-{n}", prompt(300 + n, BLOCK + 1), max_tokens=2)
-        run_checked(sim)
-        time.sleep(0.05)
+    serve_others(sim, until=lambda: bool(_store_removed(published)), seconds=10.0)
     assert _store_removed(published) == [hashes[1]]
     assert leaks(sim) == []
+
+
+def _one_prompt_saved(
+    make_sim: Any, url: str, extra: dict[str, Any], seed: int
+) -> tuple[Any, _Published, list[Any], list[bytes]]:
+    """A simulator over ``url`` with KV events on that computed and saved one prompt of four values: the
+    simulator, what it published, the prompt's block hashes as events carry them, its value hashes."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    sim = make_sim(kv=kv_spec(url, **extra), kv_events=True)
+    published = _Published()
+    sim.scheduler.kv_event_publisher = published
+    tokens = prompt(seed, 4 * BLOCK + 3)
+    sim.add_request("a", tokens, max_tokens=2)
+    run_checked(sim)
+    block_hashes = _request("h", tokens).block_hashes
+    hashes = [maybe_convert_block_hash(h) for h in block_hashes]
+    value_hashes = sim.workers[0].kv_connector.worker_side.keys.value_hashes(block_hashes)
+    return sim, published, hashes, value_hashes
 
 
 def _store_removed(published: _Published) -> list[Any]:

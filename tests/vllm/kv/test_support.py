@@ -168,3 +168,18 @@ def record_stats(side: Any) -> list[dict[str, Any]]:
 
     side.stats = recorded
     return counted
+
+
+def serve_others(sim: Any, until: Any, *, start: int = 0, seconds: float = 5.0) -> int:
+    """Serve short prompts unrelated to a test's own (each new) until ``until()`` holds or ``seconds``
+    pass; how many were served so far (``start``: how many an earlier call served)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    n = start
+    while time.monotonic() < deadline and not until():
+        n += 1
+        sim.add_request(f"other-{n}", prompt(100 + n, 2 * 16 + 1), max_tokens=2)
+        run_checked(sim)
+        time.sleep(0.05)
+    return n
