@@ -73,6 +73,7 @@ from .layout import (
 )
 from .reader import ChunkReader, ReplyError
 from .removals import RemovalListener, Removals, parse_removals
+from .sockets import open_tcp, open_unix
 from .writer import chunked_write
 
 log = logging.getLogger(__name__)
@@ -244,17 +245,16 @@ class RedisBackend(StorageBackend):
     @staticmethod
     def _chunk_reader(url: StoreURL, opts: dict[str, Any], kwargs: dict[str, Any]) -> ChunkReader | None:
         """The raw-socket chunk reader for plain TCP and unix sockets (TLS reads stay on redis-py)."""
-        loop = asyncio.get_running_loop()
         if url.scheme == "redis":
             host, port = kwargs["host"], kwargs["port"]
 
             def connect(factory: Callable[[], Any]) -> Any:
-                return loop.create_connection(factory, host, port)
+                return open_tcp(host, port, factory)
         elif url.scheme == "unix":
             path = kwargs["path"]
 
             def connect(factory: Callable[[], Any]) -> Any:
-                return loop.create_unix_connection(factory, path)
+                return open_unix(path, factory)
         else:
             return None
         return ChunkReader(

@@ -28,7 +28,6 @@ read sends that read through redis-py instead, which follows the redirection.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
@@ -47,6 +46,7 @@ from .backend import DEFAULT_CHUNK_SIZE, DEFAULT_PORT, RedisBackend, _gather
 from .cluster_internals import SlotTransaction, pool_counts
 from .reader import ChunkReader, Reply, ReplyError, Slot
 from .removals import Removals
+from .sockets import open_tcp
 
 __all__ = ["RedisClusterBackend"]
 
@@ -96,11 +96,10 @@ class _NodeReaders(ChunkReader):
     def _reader_for(self, node: ClusterNode) -> ChunkReader:
         reader = self._nodes.get(node.name)
         if reader is None:
-            loop = asyncio.get_running_loop()
             host, port = node.host, int(node.port)
 
             def connect(factory: Any) -> Any:
-                return loop.create_connection(factory, host, port)
+                return open_tcp(host, port, factory)
 
             username, password = self._auth
             reader = ChunkReader(

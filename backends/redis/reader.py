@@ -2,10 +2,12 @@
 
 Why it exists: through redis-py and hiredis every payload byte is copied six times on its way from the
 socket to a ``bytes`` chunk (event loop read buffer -> ``bytes`` -> StreamReader buffer -> ``bytes`` ->
-hiredis buffer -> reply ``bytes``), which kept large reads well behind ``redis-benchmark``. Here a
-:class:`asyncio.BufferedProtocol` hands the kernel the chunk's own ``bytearray`` once the ``$<len>`` line
-is parsed, so the payload is copied once (kernel -> chunk). With :meth:`ChunkReader.mget_into` the
-caller names that memory itself (slices of the destination tensor), so nothing is allocated per read.
+hiredis buffer -> reply ``bytes``), which kept large reads well behind ``redis-benchmark``. Here the
+protocol hands the kernel the chunk's own ``bytearray`` once the ``$<len>`` line is parsed, so the payload
+is copied once (kernel -> chunk). With :meth:`ChunkReader.mget_into` the caller names that memory itself
+(slices of the destination tensor, or several pieces in order), so nothing is allocated per read. The
+backends connect through :mod:`.sockets`, whose transport fills a value's pieces several per receive
+(:meth:`_RespProtocol.get_buffers`); any asyncio transport works too, one buffer per receive.
 
 Scope is deliberately small: RESP2 replies to ``AUTH``, ``SELECT``, ``MGET`` and ``HMGET``, and to the
 pipelined ``MULTI ... EXEC`` of a chunked write (``writer`` builds it;
@@ -140,6 +142,28 @@ class _RespProtocol(asyncio.BufferedProtocol):
             self._abort(_ProtocolError("reply line longer than 64 KiB"))
             return self._view  # the transport is closing; the bytes are discarded
         return self._view[self._fill :]
+
+    def get_buffers(self, limit: int) -> list[memoryview]:
+        """What :meth:`get_buffer` would hand out, call after call, if each buffer were filled whole: the
+        rest of a value's pieces, then (once its last piece is among them) the line buffer, which takes the
+        CRLF after it and the next reply's header. For :class:`~.sockets.SocketTransport`."""
+        first = self.get_buffer(-1)
+        if self._dest is None or self.lost:
+            return [first]
+        views = [first, *self._dest_rest[: limit - 1]]
+        if len(views) < limit and len(views) == len(self._dest_rest) + 1 and self._fill < len(self._line):
+            views.append(self._view[self._fill :])
+        return views
+
+    def buffers_updated(self, nbytes: int) -> None:
+        """``nbytes`` received into the buffers :meth:`get_buffers` named, in order."""
+        while nbytes and not self.lost:
+            if self._dest is None:
+                self.buffer_updated(nbytes)  # the line buffer, the last one named
+                return
+            take = min(nbytes, len(self._dest) - self._dest_fill)
+            self.buffer_updated(take)
+            nbytes -= take
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.lost:  # aborted: whatever still arrives is discarded

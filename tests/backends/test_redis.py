@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -515,10 +515,27 @@ def _feed(proto: object, data: bytes, step: int) -> None:
         pos += n
 
 
+def _feed_many(proto: object, data: bytes, step: int) -> None:
+    """Hand ``data`` over as :class:`SocketTransport` does: at most ``step`` bytes per ``recvmsg_into``,
+    spread over the buffers the protocol names, filled in order."""
+    pos = 0
+    while pos < len(data):
+        got = 0
+        for buf in proto.get_buffers(4):  # type: ignore[attr-defined]
+            n = min(step - got, len(buf), len(data) - pos)
+            buf[:n] = data[pos : pos + n]
+            pos, got = pos + n, got + n
+            if n < len(buf):
+                break
+        proto.buffers_updated(got)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("feed", [_feed, _feed_many])
 @pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
-async def test_a_bulk_reply_lands_across_a_scattered_slot(step: int) -> None:
+async def test_a_bulk_reply_lands_across_a_scattered_slot(step: int, feed: Callable[..., None]) -> None:
     """One reply fills several views in order (a frame's header, an empty view, its payload), however the
-    bytes arrive; a reply of another length gets its own buffer and leaves the slot untouched."""
+    bytes arrive, one buffer at a time or several per receive; a reply of another length gets its own
+    buffer and leaves the slot untouched."""
     from asyncconn_backends.redis.reader import _RespProtocol
 
     header, payload = os.urandom(40), os.urandom(100_000)
@@ -530,7 +547,7 @@ async def test_a_bulk_reply_lands_across_a_scattered_slot(step: int) -> None:
     fut = proto.request(b"MGET a b c\r\n", 1, 1 << 20, [dests, untouched])
     value = header + payload
     reply = b"*3\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$-1\r\n" % (len(value), value, len(other), other)
-    _feed(proto, reply, step)
+    feed(proto, reply, step)
     got = await fut
     assert got[0] is dests
     assert bytes(dests[0]) == header and bytes(dests[2]) == payload

@@ -18,6 +18,7 @@ import torch
 from asyncconn_backends.redis.backend import RedisBackend
 from asyncconn_backends.redis.layout import MANIFEST_FIELD, MANIFEST_MAGIC, Manifest, chunk_fields, main_key
 from asyncconn_backends.redis.reader import SKIPPED, ChunkReader, ReplyError
+from asyncconn_backends.redis.sockets import open_tcp
 
 from asyncconn.backend import open_backend
 from asyncconn.exceptions import BackendError, BackendTimeout, BackendUnavailable
@@ -427,10 +428,10 @@ async def _served(reply: bytes) -> AsyncIterator[ChunkReader]:
 
 
 def _reader_for(server: asyncio.Server) -> ChunkReader:
+    """Connected as the backends connect (:func:`open_tcp`: the multi-buffer socket transport)."""
     port = server.sockets[0].getsockname()[1]
-    loop = asyncio.get_running_loop()
     return ChunkReader(
-        lambda factory: loop.create_connection(factory, "127.0.0.1", port),
+        lambda factory: open_tcp("127.0.0.1", port, factory),
         username=None, password=None, db=0, max_connections=2,
     )  # fmt: skip
 
