@@ -206,8 +206,9 @@ class StorageBackend(abc.ABC):
     #: the keys this backend removed by its own doing -- evicted or expired by ``file://``'s sweep, or by a
     #: ``redis://`` server's ``ttl``/``maxmemory`` when its URL has ``removals=listen``/``enable`` (keyspace
     #: notifications; ``redis+cluster://`` too). Not called for ``delete``, nor for what a server drops
-    #: without telling (Mooncake eviction), nor for keys another process's sweep removed. A hook that
-    #: raises is logged and ignored.
+    #: without telling (Mooncake eviction), nor for keys another process's sweep removed -- except by a
+    #: ``file://`` store asked to ``watch_removals``: then for every value removed from its directory on
+    #: this host, ``delete`` included. A hook that raises is logged and ignored.
     on_removed: RemovedHook | None = None
 
     @classmethod

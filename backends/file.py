@@ -17,7 +17,9 @@ the directory, deletes values older than ``max_age`` -- counted from the write, 
 ones until they fit in 90% of it. Everything it goes by is in the directory itself, so processes sharing it
 (E and PD instances) agree on what was used last, and a lock file lets one of them sweep at a time. A value
 past ``max_age`` is a miss at once, whether or not a sweep has deleted it yet. Keys the sweep removed are
-handed to ``on_removed`` (on the loop thread) when their names can be read back from the file names.
+handed to ``on_removed`` (on the loop thread) when their names can be read back from the file names; after
+:meth:`FileBackend.watch_removals`, every key removed from the directory by any process on this host is
+(:mod:`backends.dirwatch`).
 
 Temporary files: a writer holds an exclusive ``flock`` on its temporary file until it has been renamed into
 place, and the kernel drops that lock when the writer dies. A sweep removes every temporary file whose lock
@@ -63,6 +65,8 @@ from asyncconn.backend import (
 )
 from asyncconn.exceptions import BackendError, BackendUnavailable, ConfigError
 from asyncconn.url import Param, StoreURL
+
+from .dirwatch import DirectoryWatch
 
 __all__ = ["FileBackend", "SweepReport"]
 
@@ -278,6 +282,7 @@ class FileBackend(StorageBackend):
         self._estimate = 0
         self._wake: asyncio.Event | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._watch: DirectoryWatch | None = None  # loop-owned, see watch_removals
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="asyncconn-file")
         # Helpers of split reads live in their own pool so a read never waits behind another read's job.
         self._aux = ThreadPoolExecutor(
@@ -640,12 +645,32 @@ class FileBackend(StorageBackend):
             self._estimate = report.stored_bytes + max(0, self._estimate - written)
             self.evicted += report.evicted
             self.expired += report.expired
-            if report.removed and self.on_removed is not None:
-                try:
-                    self.on_removed(report.removed)
-                except Exception:  # someone else's bug must not stop the sweeps
-                    log.exception("file store %r: on_removed hook failed", str(self.root))
+            if report.removed and self._watch is None:  # watched: the watch hears them too
+                self._removed(report.removed)
         return report
+
+    def watch_removals(self) -> bool:
+        """(loop) From now on ``on_removed`` hears every value removed from the directory by any process on
+        this host (swept, deleted, unlinked by hand), not only this process's sweeps; False where it
+        cannot be watched (:mod:`backends.dirwatch`), and then it hears what it heard before."""
+        if self._watch is None and not self._closed:
+            watch = DirectoryWatch(self._root, lambda paths: self._removed(self._keys_of(paths)))
+            if watch.start():
+                self._watch = watch
+        return self._watch is not None
+
+    def unwatch_removals(self) -> None:
+        """(loop) Back to hearing this process's sweeps only."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def _removed(self, keys: Sequence[str]) -> None:
+        if keys and self.on_removed is not None:
+            try:
+                self.on_removed(keys)
+            except Exception:  # someone else's bug must not stop the sweeps
+                log.exception("file store %r: on_removed hook failed", str(self.root))
 
     def _start_sweeper(self) -> None:
         self._wake = asyncio.Event()
@@ -760,6 +785,7 @@ class FileBackend(StorageBackend):
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self.unwatch_removals()
             if self._sweeper is not None:
                 self._sweeper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -60,6 +60,16 @@ def runtime() -> Iterator[object]:
         rt.close()
 
 
+@pytest.fixture
+def unwatched_directories(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``file://`` stores that cannot watch their directories (``FileBackend.watch_removals`` answers False),
+    as where a change is made on another host of a network filesystem: a file a test deletes or writes
+    behind the stores' backs is then heard only by a recheck or a lookup."""
+    from asyncconn_backends.file import FileBackend
+
+    monkeypatch.setattr(FileBackend, "watch_removals", lambda self: False)
+
+
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[object]:
     """One 3-master Redis Cluster for the session (tests use distinct key prefixes)."""

@@ -201,14 +201,17 @@ def test_a_router_sees_the_local_store_apart_from_the_shared_one(
     assert held[here] & set(want) == on_disk() == set(want)
 
 
+@pytest.mark.usefixtures("unwatched_directories")
 def test_a_router_hears_another_engines_sweep_and_write_of_the_local_directory(
     text_model: Path, engines: list[Any], tmp_path: Path
 ) -> None:
     """Another engine's store on the same local directory sweeps it (past its ``max_bytes``), later the
-    values are written there again: this engine's workers hear neither. With ``kv_events_recheck`` the
-    scheduler asks the directory again, and while the engine serves other prompts (never that one) a router
-    replaying vLLM's publisher drops the prompt's values from the local residency, then finds them again --
-    each time exactly what the directory holds; the shared store's residency keeps them throughout."""
+    values are written there again: this engine's workers hear neither, and here the directory cannot be
+    watched either (as a sweep from another host of a network filesystem would not be seen). With
+    ``kv_events_recheck`` the scheduler asks the directory again, and while the engine serves other prompts
+    (never that one) a router replaying vLLM's publisher drops the prompt's values from the local residency,
+    then finds them again -- each time exactly what the directory holds; the shared store's residency keeps
+    them throughout."""
     from asyncconn.runtime import get_runtime
     from asyncconn.store import TensorStore
 
@@ -242,6 +245,36 @@ def test_a_router_hears_another_engines_sweep_and_write_of_the_local_directory(
     assert held[here] & set(want) == on_disk() == set(want)
     side = probe.kv_scheduler_connector().scheduler_side
     assert side.local_recheck is not None and side.local_recheck.removed == len(keys)
+
+
+def test_another_engines_sweeps_of_this_hosts_directories_are_announced_at_the_next_steps(
+    text_model: Path, engines: list[Any], tmp_path: Path
+) -> None:
+    """The recheck off: another engine's stores on this host's shared and local directories sweep them (past
+    their ``max_bytes``), which neither this engine's workers nor its scheduler's stores did. The scheduler's
+    stores watch both directories (inotify), so a router replaying vLLM's publisher drops the prompt's
+    values from both residencies while the engine serves its next prompt, each equal to what the directory
+    holds. (Without the watch nothing is heard: the values stay.)"""
+    from asyncconn.runtime import get_runtime
+    from asyncconn.store import TensorStore
+
+    here, shared = ("STORAGE", "asyncconn:local"), ("STORAGE", "asyncconn:file")
+    llm, probe, replay_port, block_hashes, want = _announced(
+        text_model, engines, here, f"file://{tmp_path / 'shared'}",
+        local_store_url=f"file://{tmp_path / 'local'}", kv_events_recheck=0,
+    )  # fmt: skip
+    assert set(want) <= routers.residency(routers.replayed_batches(replay_port))[shared]
+    runtime = get_runtime()
+    for directory in ("shared", "local"):
+        other = runtime.run(TensorStore.open(f"file://{tmp_path / directory}?max_bytes=1"), 30)  # sweeps
+        runtime.run(other.close(), 30)
+    held = _serve_others_until(llm, replay_port, lambda held: not (held[here] | held[shared]) & set(want), 2)
+    assert_idle(probe)
+    worker = probe.kv_worker_connector().worker_side
+    keys = [worker.keys.store_key(h, 0) for h in worker.keys.value_hashes(block_hashes)]
+    assert not any(worker.runtime.run(worker.store.layered.local.exists(keys)))
+    assert not any(worker.runtime.run(worker.store.layered.shared.exists(keys)))
+    assert held[here] & set(want) == set() and held[shared] & set(want) == set()
 
 
 def test_a_sweep_by_the_schedulers_own_lookup_store_is_announced(
@@ -285,6 +318,7 @@ def _serve_others_until(llm: Any, replay_port: int, done: Any, prompts: int = 40
     return held
 
 
+@pytest.mark.usefixtures("unwatched_directories")  # unreported: only the lookup can find it missing
 def test_a_value_deleted_behind_the_stores_back_is_announced_removed_at_the_next_lookup(
     text_model: Path, engines: list[Any], tmp_path: Path
 ) -> None:

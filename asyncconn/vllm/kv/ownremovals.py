@@ -12,13 +12,19 @@ process that listens; a key heard twice is announced once.)
 
 :class:`OwnRemovals` hooks those stores, buffers what they remove (on the loop thread, bounded like the
 workers' buffers) and hands it to the events at the scheduler's next step, as if a worker had reported it.
+A store that can hear removals made by other processes too (``file://`` on Linux: ``watch_removals``,
+inotify) is asked to: another engine's sweep of a directory this host shares, a value deleted by hand, are
+then announced at the next step instead of when a recheck reaches them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+from asyncconn.exceptions import RuntimeClosed
+from asyncconn.runtime import Runtime, get_runtime
 from asyncconn.store import TensorStore
 from asyncconn.vllm.kv.events import KVEvents, SaveReports
 from asyncconn.vllm.kv.localevents import LocalNews, LocalTierEvents
@@ -34,6 +40,7 @@ class OwnRemovals:
         self._shared = SaveReports()  # the shared store's removed keys (its ``report_removed`` buffer)
         self._local = LocalNews()  # the local directory's
         self._hooked: list[Any] = []  # the backends whose ``on_removed`` is ours, unhooked on close
+        self._runtime: Runtime | None = None  # where the watching backends live, once one is hooked
 
     def hear_shared(self, store: TensorStore | None) -> None:
         """Hear what the shared store ``store`` (a lookup client's, None behind a lookup server) removes."""
@@ -49,6 +56,10 @@ class OwnRemovals:
         if backend is not None and hasattr(backend, "on_removed") and backend not in self._hooked:
             backend.on_removed = hook
             self._hooked.append(backend)
+            if hasattr(backend, "watch_removals"):
+                # On the loop that owns the backend: the lookup clients' (the process's runtime).
+                self._runtime = self._runtime or get_runtime()
+                self._runtime.call_soon(backend.watch_removals)
 
     def _local_removed(self, keys: Sequence[str]) -> None:
         self._local.heard(keys, False)
@@ -73,6 +84,9 @@ class OwnRemovals:
     def close(self) -> None:
         for backend in self._hooked:
             backend.on_removed = None
+            if self._runtime is not None and hasattr(backend, "unwatch_removals"):
+                with contextlib.suppress(RuntimeClosed):  # closed with its runtime: nothing to stop
+                    self._runtime.call_soon(backend.unwatch_removals)
         self._hooked.clear()
         self._shared.take()
         self._local.take()

@@ -374,6 +374,7 @@ def _saved_with_events(make_sim: Any, tmp_path: Path, tokens: list[int]) -> tupl
     return sim, published
 
 
+@pytest.mark.usefixtures("unwatched_directories")  # unreported: only the lookup can find it missing
 def test_a_value_a_lookup_finds_missing_is_announced_removed(make_sim: Any, tmp_path: Path) -> None:
     """A store that never reports its removals (a file deleted behind ``file://``'s back here; Mooncake's
     evictions in production): the next lookup of the prompt answers that value 2 is missing, and the

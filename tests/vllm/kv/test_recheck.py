@@ -179,6 +179,7 @@ def _removed(published: _Published) -> list[Any]:
     ]
 
 
+@pytest.mark.usefixtures("unwatched_directories")  # unreported, as a Mooncake eviction is
 @pytest.mark.parametrize(("recheck", "via"), [("200ms", "store"), ("200ms", "lookup server"), (0, "store")])
 def test_a_value_deleted_behind_the_stores_back_is_announced_while_other_prompts_run(
     make_sim: Any, tmp_path: Path, recheck: Any, via: str
