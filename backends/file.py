@@ -141,7 +141,7 @@ class SweepReport:
     temp_removed: int
     #: values deleted because they were older than ``max_age``
     expired: int = 0
-    #: keys of the values evicted or expired (those whose key the file name gives back: see ``_key_of``)
+    #: keys of the values evicted or expired (those whose key is known: see ``_keys_of``)
     removed: tuple[str, ...] = ()
 
 
@@ -538,14 +538,14 @@ class FileBackend(StorageBackend):
             return False
         return stat.S_ISREG(st.st_mode) and not self._expired(st)
 
-    def _key_of(self, path: str, known: dict[str, str]) -> str | None:
-        """The key whose value lives at ``path``: read back from the file name, else from the paths this
-        process has built (``known``, path -> key); ``None`` for a hashed name no one here has asked for."""
+    def _key_of(self, path: str) -> str | None:
+        """The key whose value lives at ``path`` when the file name gives it back; None for a hashed name
+        (a digest: only a key this process has built the path of names it, see ``_keys_of``)."""
         name = os.path.basename(path)
-        if _HASHED.fullmatch(name):  # a digest: only a key this process has asked for names it
-            return known.get(path)
+        if _HASHED.fullmatch(name):
+            return None
         key = unquote(name)
-        return key if self._make_path(key) == path else known.get(path)
+        return key if self._make_path(key) == path else None
 
     def _delete(self, key: str) -> bool:
         try:
@@ -628,13 +628,20 @@ class FileBackend(StorageBackend):
         return SweepReport(stored, len(removed) - n_expired, temp_removed, n_expired, keys)
 
     def _keys_of(self, paths: list[str]) -> tuple[str, ...]:
-        """The keys of removed values, where known (see ``_key_of``)."""
-        if not paths:
-            return ()
-        # A copy in one C call: other threads add to the memo meanwhile (single dict operations).
-        known = {path: key for key, path in self._paths.copy().items()}
-        keys = (self._key_of(path, known) for path in paths)
-        return tuple(key for key in keys if key is not None)
+        """The keys of removed values: read back from the file names, else from the paths this process
+        has built (the memo, reversed only when a name does not give its key back: up to 65,536 entries,
+        too many to reverse for every removal a watch hears)."""
+        keys: list[str] = []
+        known: dict[str, str] | None = None
+        for path in paths:
+            key = self._key_of(path)
+            if key is None:
+                if known is None:  # a copy in one C call: other threads add to the memo meanwhile
+                    known = {path: key for key, path in self._paths.copy().items()}
+                key = known.get(path)
+            if key is not None:
+                keys.append(key)
+        return tuple(keys)
 
     async def sweep(self) -> SweepReport | None:
         """Run one sweep now (see the module docstring); ``None`` when another one held the lock."""
