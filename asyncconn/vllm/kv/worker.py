@@ -362,6 +362,10 @@ class KVWorkerSide:
                         self._drop_target(rid, key, failed=load.failed_blocks)
                     self._stats.add("load_failures")
 
+    def _a_load_is_whole(self) -> bool:
+        """Whether some request has nothing left to read (it is reported this step)."""
+        return any(not load.remaining for load in self._req_loads.values())
+
     def _load_ended(self, rid: str) -> None:
         """``rid``'s load has nothing left to read: forget it, and release its tier claims."""
         del self._req_loads[rid]
@@ -553,7 +557,8 @@ class KVWorkerSide:
         On a step that scheduled no tokens (``step_tokens == 0``) while loads are in flight, this waits up to
         ``IDLE_WAIT_S`` for them to land (``StreamLoader.wait``), scattering each one as it lands: the engine
         has nothing else to do, and its back-to-back empty steps would otherwise hold the GIL the loop thread
-        needs to finish the loads.
+        needs to finish the loads. It stops waiting as soon as a request's load is whole, which is then
+        reported at once: with several requests loading, the first one done is not held for the others.
         """
         for rid in finished_req_ids:
             load = self._req_loads.get(rid)
@@ -571,13 +576,13 @@ class KVWorkerSide:
             if rid in self._had_saves:
                 self._had_saves.discard(rid)
                 self._finishing.add(rid)
-        if step_tokens == 0 and self._fetches:
-            # Scatter each value as it lands while the loop reads the next ones, until all are in or the
-            # bound has passed (the scatters themselves are work this step would do anyway).
+        if step_tokens == 0 and self._fetches and not self._a_load_is_whole():
+            # Scatter each value as it lands while the loop reads the next ones, until a request's load is
+            # whole or the bound has passed (the scatters themselves are work this step would do anyway).
             deadline = time.monotonic() + IDLE_WAIT_S
             while self.loader.wait(max(deadline - time.monotonic(), 0.0), first=True):
                 self._poll_loads()
-                if not self._fetches or time.monotonic() >= deadline:
+                if not self._fetches or time.monotonic() >= deadline or self._a_load_is_whole():
                     break
         self._poll_loads()
         recving: set[str] = set()

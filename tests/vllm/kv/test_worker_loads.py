@@ -55,15 +55,17 @@ def _worker(
     num_groups: int = 1,
     host_cache_bytes: int = 0,
     events: bool = False,
+    store: TensorStore | None = None,
 ) -> tuple[KVWorkerSide, KeySpace, dict[str, torch.Tensor]]:
     """A worker on host caches of ``[NUM_BLOCKS, 2, 16, 8]`` per layer (``kv_outer``: ``[2, NUM_BLOCKS, 16,
-    8]``, K and V apart, vLLM's other layout)."""
+    8]``, K and V apart, vLLM's other layout), over ``store`` or one opened from ``url``."""
     identity = KVIdentity(
         "worker-loads", "", "float32", "default", 16, 2, 8, tuple(LAYERS), 1, blocks_per_value
     )
     keys = KeySpace(identity)
     url = url or f"memory://kv-loads-{uuid.uuid4().hex[:8]}"
-    store = runtime.run(TensorStore.open(url, host_cache_bytes=host_cache_bytes), timeout=10)
+    if store is None:
+        store = runtime.run(TensorStore.open(url, host_cache_bytes=host_cache_bytes), timeout=10)
     pool = PinnedPool(8 << 20)
     worker = KVWorkerSide(
         keys,
@@ -144,6 +146,54 @@ def test_loaded_values_land_bytes_exact_from_staging(
     # an index tensor only for its positions and for runs of block ids that are not consecutive
     assert gathers == (len(LAYERS) if bpv > 1 else 0)
     assert index_tensors == (0 if bpv == 1 else 1 if ascending else 3)
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
+
+
+def test_an_idle_step_reports_a_whole_load_without_waiting_for_the_others(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a step with no tokens the worker waits for loads to land (up to ``IDLE_WAIT_S``); once one
+    request's every value is in, it stops waiting and reports that request while another request's read
+    still hangs. (Before, the first request waited for the others or for the bound, 15 s here.)"""
+    import asyncconn.vllm.kv.worker as worker_module
+    from tests.transfer.fakes import GatedBackend
+
+    class SlowFor(GatedBackend):
+        """Reads of ``slow`` keys wait on the gate; the others are served at once."""
+
+        slow: frozenset[str] = frozenset()
+
+        async def get_into(self, key: str, dests: Any, sink: Any = None) -> int | None:
+            if key in self.slow:
+                return await super().get_into(key, dests, sink)
+            return self._read_value(key, dests, sink)
+
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 15.0)
+    backend = SlowFor()
+    backend.only_keys = set()  # puts never wait
+    store = TensorStore(backend, name="slow-for-one")
+    worker, keys, caches = _worker(runtime, 1, store=store)
+    fast, slow = b"\x01" * 32, b"\x02" * 32
+    values = [torch.randn(len(LAYERS), 1, 2, 16, 8) for _ in range(2)]
+    runtime.run(store.put([(keys.store_key(h, 0), v) for h, v in zip((fast, slow), values, strict=True)]))
+    backend.slow = frozenset({keys.store_key(slow, 0)})
+    loads = [
+        LoadSpec(rid, (ValueRef(h, (0,), ((block,),)),))
+        for rid, h, block in (("a", fast, 10), ("b", slow, 11))
+    ]
+    worker.start_load_kv(AsyncConnKVMetadata(loads=loads))
+    started, got = time.monotonic(), set()
+    while "a" not in got and time.monotonic() - started < 5:
+        _, recving = worker.get_finished(set(), step_tokens=0)
+        got |= recving or set()
+    assert got == {"a"} and time.monotonic() - started < 5
+    for i, name in enumerate(LAYERS):
+        assert torch.equal(caches[name][10], values[0][i, 0])
+    runtime.call_soon(backend.gate.set)
+    _receive(worker, "b")
+    for i, name in enumerate(LAYERS):
+        assert torch.equal(caches[name][11], values[1][i, 0])
     worker.close()
     assert not any(worker.held().values()), worker.held()
 
