@@ -88,8 +88,13 @@ class DirectoryWatch:
         if self._root_wd < 0:
             self.close()
             return False
-        with os.scandir(self.root) as entries:
-            names = [e.name for e in entries if _is_key_dir(e.name) and e.is_dir(follow_symlinks=False)]
+        try:
+            with os.scandir(self.root) as entries:
+                names = [e.name for e in entries if _is_key_dir(e.name) and e.is_dir(follow_symlinks=False)]
+        except OSError as exc:
+            log.warning("file store %r: cannot watch for removals: %s", self.root, exc)
+            self.close()
+            return False
         for name in names:
             if self._add(f"{self.root}/{name}", _KEY_DIR_MASK) < 0:
                 self.close()

@@ -173,3 +173,16 @@ async def test_an_overflowed_queue_is_counted_and_logged_and_hears_nothing(
         assert gone == [[f"{tmp_path}/ab/key"]]
     finally:
         watch.close()
+
+
+async def test_a_directory_that_cannot_be_watched_answers_false_and_leaves_nothing_open(
+    tmp_path: Path,
+) -> None:
+    backend = FileBackend(tmp_path / "gone")
+    (tmp_path / "gone").rmdir()  # the root went away under the store
+    before = _fds()
+    try:
+        assert not backend.watch_removals()
+        assert _fds() == before
+    finally:
+        await backend.close()
