@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import struct
-import subprocess
 import sys
 import textwrap
 import threading
@@ -55,8 +54,9 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _other_process(script: str) -> None:
-    subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=True, timeout=120)
+async def _other_process(script: str) -> None:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", textwrap.dedent(script))
+    assert await asyncio.wait_for(proc.wait(), 120) == 0
 
 
 async def test_removals_by_another_process_and_by_hand_are_heard_once_and_writes_are_not(
@@ -74,7 +74,7 @@ async def test_removals_by_another_process_and_by_hand_are_heard_once_and_writes
             os.utime(watcher.path_for(key), (t, t))
         # Another process: its store sweeps at open (max_bytes: the two least recently used go), then
         # deletes one value.
-        _other_process(f"""
+        await _other_process(f"""
             import asyncio
             from asyncconn.backend import open_backend
 
