@@ -279,6 +279,11 @@ class LookupClient(Generic[R]):
         store = getattr(self._transport, "store", None)
         return store if isinstance(store, TensorStore) else None
 
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime whose loop runs this client's transport (and owns its :attr:`store`)."""
+        return self._rt
+
     def held(self) -> dict[str, int]:
         """Sizes of every internal structure (tests check that they come back to zero)."""
         return {

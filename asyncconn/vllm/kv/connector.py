@@ -248,7 +248,7 @@ class AsyncConnKVConnector(
                 recheck=self._recheck(kv_events, parts, lookup) if events else None,
             )
             if events and lookup is not None:  # what its own lookup store removes (a file:// sweep)
-                self._scheduler.own_removals.hear_shared(lookup.store)
+                self._scheduler.own_removals.hear_shared(lookup)
             self._follow_local_store(self._scheduler, parts, tp_size)
             self._follow_tiers(self._scheduler, parts)
             where = _lookups(self.settings, lookup)
@@ -379,13 +379,14 @@ class AsyncConnKVConnector(
             mirror = LocalMirror(parts, tp_size, scheduler.spaces)
             scheduler.local_events = events = LocalTierEvents(scheduler.events, mirror)
             hits = scheduler.local_store
-            local_store = hits.lookup.store if hits is not None else None
+            asks = hits.lookup if hits is not None else None  # the client whose store of it is heard
             if self.settings.kv_events_recheck > 0:
-                client = open_lookup_client(self._local_lookup_config(), EXISTS, store=local_store)
+                shared = asks.store if asks is not None else None
+                client = open_lookup_client(self._local_lookup_config(), EXISTS, store=shared)
                 interval = self.settings.kv_events_recheck
                 scheduler.local_recheck = ResidencyRecheck(events, client, interval=interval)
-                local_store = client.store
-            scheduler.own_removals.hear_local(local_store)  # what this process's sweeps of it remove
+                asks = client  # its store: the one it shares, or its own
+            scheduler.own_removals.hear_local(asks)  # what is removed from the directory
 
     def _local_lookup_config(self) -> LookupConfig:
         """Lookups of the local store (``local_store_url``): asked directly, never of a lookup server."""

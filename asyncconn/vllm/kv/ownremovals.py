@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncconn.exceptions import RuntimeClosed
-from asyncconn.runtime import Runtime, get_runtime
-from asyncconn.store import TensorStore
 from asyncconn.vllm.kv.events import KVEvents, SaveReports
 from asyncconn.vllm.kv.localevents import LocalNews, LocalTierEvents
+
+if TYPE_CHECKING:
+    from asyncconn.lookup import LookupClient
+    from asyncconn.runtime import Runtime
 
 __all__ = ["OwnRemovals"]
 
@@ -39,27 +41,30 @@ class OwnRemovals:
     def __init__(self) -> None:
         self._shared = SaveReports()  # the shared store's removed keys (its ``report_removed`` buffer)
         self._local = LocalNews()  # the local directory's
-        self._hooked: list[Any] = []  # the backends whose ``on_removed`` is ours, unhooked on close
-        self._runtime: Runtime | None = None  # where the watching backends live, once one is hooked
+        # The backends whose ``on_removed`` is ours (with the runtime that owns each), unhooked on close.
+        self._hooked: list[tuple[Any, Runtime]] = []
 
-    def hear_shared(self, store: TensorStore | None) -> None:
-        """Hear what the shared store ``store`` (a lookup client's, None behind a lookup server) removes."""
-        self._hook(store, self._shared.report_removed)
+    def hear_shared(self, client: LookupClient[Any] | None) -> None:
+        """Hear what the shared store removes: the store ``client`` asks itself (none behind a lookup
+        server)."""
+        self._hook(client, self._shared.report_removed)
 
-    def hear_local(self, store: TensorStore | None) -> None:
-        """Hear what the local directory's store ``store`` lets go."""
-        self._hook(store, self._local_removed)
+    def hear_local(self, client: LookupClient[Any] | None) -> None:
+        """Hear what the local directory's store, the one ``client`` asks, lets go."""
+        self._hook(client, self._local_removed)
 
-    def _hook(self, store: TensorStore | None, hook: Any) -> None:
-        backend: Any = store.backend if store is not None else None
+    def _hook(self, client: LookupClient[Any] | None, hook: Any) -> None:
+        store = client.store if client is not None else None
+        if client is None or store is None:
+            return
+        backend: Any = store.backend
         # Feature-detected, as in the workers: a backend without the hook reports nothing.
-        if backend is not None and hasattr(backend, "on_removed") and backend not in self._hooked:
-            backend.on_removed = hook
-            self._hooked.append(backend)
-            if hasattr(backend, "watch_removals"):
-                # On the loop that owns the backend: the lookup clients' (the process's runtime).
-                self._runtime = self._runtime or get_runtime()
-                self._runtime.call_soon(backend.watch_removals)
+        if not hasattr(backend, "on_removed") or any(b is backend for b, _ in self._hooked):
+            return
+        backend.on_removed = hook
+        self._hooked.append((backend, client.runtime))
+        if hasattr(backend, "watch_removals"):  # on the loop that owns the backend: its client's
+            client.runtime.call_soon(backend.watch_removals)
 
     def _local_removed(self, keys: Sequence[str]) -> None:
         self._local.heard(keys, False)
@@ -82,11 +87,11 @@ class OwnRemovals:
         return self._shared.dropped + self._local.dropped
 
     def close(self) -> None:
-        for backend in self._hooked:
+        for backend, runtime in self._hooked:
             backend.on_removed = None
-            if self._runtime is not None and hasattr(backend, "unwatch_removals"):
+            if hasattr(backend, "unwatch_removals"):
                 with contextlib.suppress(RuntimeClosed):  # closed with its runtime: nothing to stop
-                    self._runtime.call_soon(backend.unwatch_removals)
+                    runtime.call_soon(backend.unwatch_removals)
         self._hooked.clear()
         self._shared.take()
         self._local.take()
