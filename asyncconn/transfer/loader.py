@@ -187,6 +187,9 @@ class StreamLoader:
         self._copying: collections.deque[_Load] = collections.deque()
         self._results: list[LoadResult] = []  # failures found outside poll(), reported by the next poll()
         self._landed = threading.Event()  # set on the loop when a fetch is handed back; cleared by poll()
+        # How many fetches must wait to be polled before a landing wakes ``wait`` (written by the waiting
+        # worker, read by the loop; 0 while nobody waits: every landing sets the event).
+        self._wake_at = 0
         self._slots: asyncio.Semaphore | None = None  # loop-owned: ``max_inflight`` store calls at once
         # When a load last moved: a store call began or ended (loop) or queued loads got buffers (worker).
         # One clock per thread, each written by its owner only; :attr:`last_progress` reads both.
@@ -267,29 +270,42 @@ class StreamLoader:
             consume(result)
         return []
 
-    def wait(self, timeout: float, *, first: bool = False) -> bool:
+    def wait(self, timeout: float, *, landed: int = 0) -> bool:
         """Block up to ``timeout`` seconds until every fetch in flight has landed; True if any did.
 
         For an engine with nothing else to do (a step that scheduled no tokens while loads are in flight):
         vLLM's engine loop steps again at once, and those empty steps hold the GIL that the loop thread needs
         to finish the very reads the engine is waiting for. A blocking wait hands the GIL over; it returns as
         soon as the last fetch is in (collect them with ``poll``), and at once when nothing is being fetched.
-        ``first``: return as soon as any fetch has landed and is not polled yet, so the caller can use it
-        (``poll``) while the others are still being read, and wait again.
+        ``landed``: return as soon as that many fetches have landed and are not polled yet, so the caller
+        can use them (``poll``) while the others are still being read, and wait again. Only that landing
+        wakes the caller: a wake-up per value had vLLM's thread take the GIL from the loop between the
+        reads of one prefix, for nothing when the caller needed the whole of a request's values.
         """
         deadline = time.monotonic() + timeout
-        while not self._copying and self.futures_pending > len(self._fetched):
-            if first and self._fetched:
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._landed.clear()
-            # landed between the test and the clear
-            if self.futures_pending <= len(self._fetched) or (first and self._fetched):
-                break
-            self._landed.wait(remaining)
+        try:
+            while not self._copying and self.futures_pending > len(self._fetched):
+                if landed and len(self._fetched) >= landed:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._wake_at = min(landed, self.futures_pending) if landed else self.futures_pending
+                self._landed.clear()
+                # landed between the test and the clear
+                if len(self._fetched) >= self._wake_at:
+                    break
+                self._landed.wait(remaining)
+        finally:
+            self._wake_at = 0
         return bool(self._fetched)
+
+    def _wake(self) -> None:
+        """On the loop, after a fetch was handed back: wake a waiting worker once the landing it waits for
+        has come (see :meth:`wait`). Appending first, then reading ``_wake_at``, against the worker's
+        setting it, clearing the event, then counting, loses no wake-up. A set event is left as it is."""
+        if len(self._fetched) >= self._wake_at and not self._landed.is_set():
+            self._landed.set()
 
     def cancel(self, key: str) -> bool:
         """Abandon a load (an aborted request): nothing is reported for it. False if it was not in flight.
@@ -651,7 +667,7 @@ class StreamLoader:
         # the GIL) between the loop's hand-backs of one call's values.
         self._fetched.extend(loads)  # one C call under the GIL: the worker pops whole loads in poll()
         self._loop_progress = time.monotonic()
-        self._landed.set()
+        self._wake()
 
     def _call_slot(self) -> asyncio.Semaphore:
         assert self._slots is not None, "set by _fetch_batch before any call starts"
@@ -693,7 +709,7 @@ class StreamLoader:
         load.fetched = fetched
         self._fetched.append(load)  # deque.append is thread-safe; the worker pops in poll()
         self._loop_progress = time.monotonic()
-        self._landed.set()
+        self._wake()
 
     async def _fetch(self, load: _Load, buf: PinnedBuffer) -> _Fetched:
         """Read and validate ``load.key`` into ``buf``. Runs on the loop; touches no device state."""

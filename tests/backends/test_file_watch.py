@@ -20,6 +20,7 @@ from asyncconn_backends import dirwatch
 from asyncconn_backends.file import FileBackend
 
 from asyncconn.backend import open_backend
+from tests.descriptors import open_descriptors
 
 
 class _Heard:
@@ -48,10 +49,6 @@ async def _watching(root: Path, max_bytes: int = 0) -> tuple[FileBackend, _Heard
     backend.on_removed = heard
     assert backend.watch_removals()
     return backend, heard
-
-
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 async def _other_process(script: str) -> None:
@@ -119,21 +116,21 @@ async def test_a_key_directory_made_after_the_watch_started_is_watched(tmp_path:
 
 
 async def test_unwatch_and_close_release_the_watch(tmp_path: Path) -> None:
-    before = _fds()
+    before = open_descriptors()
     watcher, heard = await _watching(tmp_path / "s", max_bytes=10000)
     try:
-        assert _fds() == before + 1  # one inotify descriptor for the root and its key directories
+        assert open_descriptors() == before + 1  # one inotify descriptor for the root and its key directories
         watcher.unwatch_removals()
-        assert _fds() == before
+        assert open_descriptors() == before
         await watcher.put([(k, os.urandom(4000)) for k in ("a", "b", "c")])
         os.utime(watcher.path_for("a"), (1_000_000, 1_000_000))
         await watcher.sweep()  # its own sweep: heard as before the watch
         os.unlink(watcher.path_for("b"))  # by hand: not heard any more
         assert await heard.until({"a"}) == ["a"]
-        assert watcher.watch_removals() and _fds() == before + 1
+        assert watcher.watch_removals() and open_descriptors() == before + 1
     finally:
         await watcher.close()
-    assert _fds() == before
+    assert open_descriptors() == before
 
 
 async def test_without_inotify_nothing_is_watched_and_sweeps_are_heard_as_before(
@@ -180,9 +177,9 @@ async def test_a_directory_that_cannot_be_watched_answers_false_and_leaves_nothi
 ) -> None:
     backend = FileBackend(tmp_path / "gone")
     (tmp_path / "gone").rmdir()  # the root went away under the store
-    before = _fds()
+    before = open_descriptors()
     try:
         assert not backend.watch_removals()
-        assert _fds() == before
+        assert open_descriptors() == before
     finally:
         await backend.close()

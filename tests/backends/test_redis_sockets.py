@@ -16,9 +16,7 @@ import pytest
 from asyncconn_backends.redis.reader import ChunkReader, _RespProtocol
 from asyncconn_backends.redis.sockets import SocketTransport, open_tcp
 
-
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+from tests.descriptors import open_descriptors
 
 
 class _Counting(_RespProtocol):
@@ -145,13 +143,13 @@ async def test_abort_closes_the_socket_once_and_tells_the_protocol_soon() -> Non
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
     proto = _Recorder()
-    before = _open_fds()
+    before = open_descriptors()
     transport = SocketTransport(loop, ours, proto)
     transport.abort()
     transport.close()
     assert proto.lost == []  # never from inside the caller's call
     await asyncio.sleep(0)
-    assert proto.lost == [None] and _open_fds() == before - 1
+    assert proto.lost == [None] and open_descriptors() == before - 1
     assert theirs.recv(10) == b""  # the peer sees the end of the stream
     theirs.close()
 
@@ -161,7 +159,7 @@ async def test_a_refused_connect_leaves_no_socket_open() -> None:
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()  # nothing listens there now
-    before = _open_fds()
+    before = open_descriptors()
     with pytest.raises(OSError):
         await open_tcp("127.0.0.1", port, _RespProtocol)
-    assert _open_fds() == before
+    assert open_descriptors() == before

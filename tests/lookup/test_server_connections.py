@@ -8,7 +8,6 @@ refusal from a reply that never came.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import struct
@@ -27,6 +26,7 @@ from asyncconn.lookup.curve import CurveClientKeys, CurveServerKeys, load_key
 from asyncconn.lookup.protocol import encode_mooncake_lookup
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
+from tests.descriptors import HAVE_PROC_FDS, open_descriptors
 from tests.lookup.fakes import wait_until
 
 HASHES = [bytes([i]) * 32 for i in range(4)]
@@ -278,11 +278,7 @@ def test_a_curve_server_with_the_bound_still_refuses_clients_it_does_not_know(
         _stop(rt, server)
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+@pytest.mark.skipif(not HAVE_PROC_FDS, reason="counts descriptors in /proc")
 def test_close_releases_the_monitor_and_the_zap_handler(rt: Runtime) -> None:
     """The gate's sockets are the context's: a socket left open would hang ``close`` (the context's term)
     or leave descriptors behind. Start, serve connections, close -- three times -- and count descriptors."""
@@ -300,10 +296,10 @@ def test_close_releases_the_monitor_and_the_zap_handler(rt: Runtime) -> None:
         assert server.stats.connections == 0
 
     cycle()  # first use creates what lives for the process (the memory store's registry, loggers)
-    before = _open_fds()
+    before = open_descriptors()
     for _ in range(3):
         cycle()
-    assert _open_fds() == before
+    assert open_descriptors() == before
 
 
 @pytest.mark.slow  # starts Python subprocesses: seconds each

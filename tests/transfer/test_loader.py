@@ -518,7 +518,48 @@ def test_each_load_lands_as_soon_as_its_read_ends(
     assert_idle(loader)
 
 
-def test_wait_first_returns_when_one_fetch_lands_while_others_are_still_read(
+def test_wait_for_several_landings_is_woken_by_the_last_of_them_only(
+    runtime: Runtime, store: TensorStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wait(landed=2)``: the first value landing does not wake the waiting thread (the loop does not set
+    the event); the second does, once, and the wait returns with both to poll."""
+    runtime.run(store.put([(k, torch.full((16,), float(i))) for i, k in enumerate("abc")]))
+    gates = {k: asyncio.Event() for k in "abc"}
+    get = store.backend.get
+
+    async def gated(keys):  # type: ignore[no-untyped-def]
+        for key in keys:
+            await gates[key].wait()
+        return await get(keys)
+
+    monkeypatch.setattr(store.backend, "get", gated)
+    loader = make_loader(store, runtime)
+    wakes: list[float] = []
+
+    class Counted(threading.Event):
+        def set(self) -> None:
+            wakes.append(time.monotonic())
+            super().set()
+
+    loader._landed = Counted()
+    loader.submit_many([(k, TensorSpec((16,), torch.float32)) for k in "abc"])
+    returned: list[bool] = []
+    waiter = threading.Thread(target=lambda: returned.append(loader.wait(10.0, landed=2)))
+    waiter.start()
+    runtime.call_soon(gates["a"].set)
+    wait_until(lambda: len(loader._fetched) == 1, "the first value to land")
+    time.sleep(0.1)
+    assert waiter.is_alive() and not wakes  # one landing of the two: nobody woken
+    runtime.call_soon(gates["b"].set)
+    waiter.join(5.0)
+    assert returned == [True] and len(wakes) == 1
+    assert sorted(r.key for r in loader.poll()) == ["a", "b"]
+    runtime.call_soon(gates["c"].set)
+    assert drain_loads(loader, 1)["c"].ok
+    assert_idle(loader)
+
+
+def test_wait_for_one_landing_returns_when_one_fetch_lands_while_others_are_still_read(
     runtime: Runtime, store: TensorStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runtime.run(store.put([("fast", torch.ones(16)), ("slow", torch.zeros(16))]))
@@ -536,10 +577,10 @@ def test_wait_first_returns_when_one_fetch_lands_while_others_are_still_read(
         [("slow", TensorSpec((16,), torch.float32)), ("fast", TensorSpec((16,), torch.float32))]
     )
     started = time.monotonic()
-    assert loader.wait(10.0, first=True) is True
+    assert loader.wait(10.0, landed=1) is True
     assert time.monotonic() - started < 5.0
     assert [r.key for r in loader.poll()] == ["fast"]
-    assert loader.wait(0.05, first=True) is False  # the slow one is still gated: bounded
+    assert loader.wait(0.05, landed=1) is False  # the slow one is still gated: bounded
     runtime.call_soon(gate.set)
     assert drain_loads(loader, 1)["slow"].ok
     assert_idle(loader)

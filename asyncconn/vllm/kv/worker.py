@@ -322,7 +322,7 @@ class KVWorkerSide:
             # wait returns as soon as a value lands either way).
             until = min(live) if live else give_up
             assert until is not None
-            if not self.loader.wait(max(until - now, 0.01), first=True):
+            if not self.loader.wait(max(until - now, 0.01), landed=1):
                 time.sleep(1e-4)  # device copies in flight (the wait returns at once then): poll again soon
             self._poll_loads()
         now = time.monotonic()
@@ -365,6 +365,15 @@ class KVWorkerSide:
     def _a_load_is_whole(self) -> bool:
         """Whether some request has nothing left to read (it is reported this step)."""
         return any(not load.remaining for load in self._req_loads.values())
+
+    def _landings_to_wait(self) -> int:
+        """How many values to let land before an idle step looks again: one while a staged value is in
+        flight (this thread scatters each as it lands, beside the loop's next reads), else the fewest any
+        loading request still waits for -- an in-place value needs nothing from this thread, and a wake-up
+        per value only took the GIL from the loop that was reading the next ones."""
+        if any(fetch.owner is None for fetch in self._fetches.values()):
+            return 1
+        return min((len(load.remaining) for load in self._req_loads.values() if load.remaining), default=1)
 
     def _load_ended(self, rid: str) -> None:
         """``rid``'s load has nothing left to read: forget it, and release its tier claims."""
@@ -580,7 +589,7 @@ class KVWorkerSide:
             # Scatter each value as it lands while the loop reads the next ones, until a request's load is
             # whole or the bound has passed (the scatters themselves are work this step would do anyway).
             deadline = time.monotonic() + IDLE_WAIT_S
-            while self.loader.wait(max(deadline - time.monotonic(), 0.0), first=True):
+            while self.loader.wait(max(deadline - time.monotonic(), 0.0), landed=self._landings_to_wait()):
                 self._poll_loads()
                 if not self._fetches or time.monotonic() >= deadline or self._a_load_is_whole():
                     break

@@ -240,7 +240,7 @@ def _bench_prefix(runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 loader.submit_many((k, TensorSpec((numel,), torch.float32)) for k in keys)
                 while landed[0] < len(keys):
-                    loader.wait(1.0, first=True)
+                    loader.wait(1.0, landed=1)
                     loader.poll(scatter)
                 if run_no >= 2:  # the first pair warms the page cache and the pool
                     times[grouped].append(time.perf_counter() - t0)

@@ -198,6 +198,79 @@ def test_an_idle_step_reports_a_whole_load_without_waiting_for_the_others(
     assert not any(worker.held().values()), worker.held()
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staged"])
+def test_an_idle_step_is_woken_once_for_a_requests_in_place_values(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch, in_place: bool
+) -> None:
+    """In-place values need nothing from vLLM's thread as they land: an idle step waits for as many as the
+    request closest to whole lacks and is woken once, by the last (a wake-up per value took the GIL from
+    the loop reading the next ones). Staged values still wake it one by one: it scatters each as it lands."""
+    import asyncconn.vllm.kv.worker as worker_module
+    from tests.transfer.fakes import GatedBackend
+
+    class OneByOne(GatedBackend):
+        """Each value's read waits on a gate of its own; in place when the reads can be abandoned."""
+
+        cancellable_reads = in_place  # writes the caller's memory on the loop only, as redis:// does
+        gates: dict[str, asyncio.Event]
+
+        async def get_into(self, key: str, dests: Any, sink: Any = None) -> int | None:
+            await self.gates[key].wait()
+            return self._read_value(key, dests, sink)
+
+        async def get(self, keys: Any) -> Any:
+            for key in keys:
+                await self.gates[key].wait()
+            return [(self.data[k],) for k in keys]
+
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 15.0)
+    backend = OneByOne(gated=False)
+    store = TensorStore(backend, name="one-by-one")
+    worker, keys, caches = _worker(runtime, 1, store=store)
+    hashes = [bytes([i + 1]) * 32 for i in range(3)]
+    values = [torch.randn(len(LAYERS), 1, 2, 16, 8) for _ in hashes]
+    runtime.run(store.put([(keys.store_key(h, 0), v) for h, v in zip(hashes, values, strict=True)]))
+    backend.gates = {keys.store_key(h, 0): asyncio.Event() for h in hashes}
+
+    async def release() -> None:  # the values land 20 ms apart, once the idle step waits
+        for gate in backend.gates.values():
+            gate.set()
+            await asyncio.sleep(0.02)
+
+    waits: list[int] = []
+    wait = worker.loader.wait
+
+    def counted(timeout: float, *, landed: int = 0) -> bool:
+        waits.append(landed)
+        if len(waits) == 1:
+            runtime.submit(release())
+        return wait(timeout, landed=landed)
+
+    wakes: list[float] = []
+
+    class Counted(threading.Event):
+        def set(self) -> None:
+            wakes.append(time.monotonic())
+            super().set()
+
+    monkeypatch.setattr(worker.loader, "wait", counted)
+    worker.loader._landed = Counted()
+    refs = tuple(ValueRef(h, (0,), ((10 + i,),)) for i, h in enumerate(hashes))
+    worker.start_load_kv(AsyncConnKVMetadata(loads=[LoadSpec("a", refs)]))
+    _, recving = worker.get_finished(set(), step_tokens=0)
+    assert recving == {"a"}
+    if in_place:
+        assert waits == [3] and len(wakes) == 1
+        assert worker.loader.totals()["loaded_in_place"] == 3
+    else:
+        assert waits and set(waits) == {1} and len(wakes) >= 2
+    for i, name in enumerate(LAYERS):
+        for j in range(3):
+            assert torch.equal(caches[name][10 + j], values[j][i, 0])
+    worker.close()
+    assert not any(worker.held().values()), worker.held()
+
+
 def test_a_cpu_engines_loads_are_issued_at_bind_once_before_the_forward(
     runtime: Runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
