@@ -14,7 +14,8 @@ after ``reset_prefix_cache``, and every sample is cut into phases from timestamp
   ``rescheduled`` (until vLLM's next ``schedule()`` has run), ``inputs`` (until that step's
   ``_prepare_inputs`` has run) and ``to_forward``; ``copy``: the time vLLM's thread spent writing staged
   values into their blocks (values read in place have none), and ``copy_after_reads`` the part of it after
-  the last read;
+  the last read; ``idle_waits`` (a count, not ms): how often vLLM's thread returned from an idle step's
+  wait for the loads (``StreamLoader.wait``: each return a wake-up) before the forward;
 - ``ExampleConnector``: ``load`` (its ``start_load_kv``, on vLLM's thread) and ``after`` (until the forward);
 - both: ``start`` (from ``generate`` to the first of those), ``forward_at`` (from ``generate`` to the forward
   of the prompt's tail), ``forward`` (its length) and ``ttft``.
@@ -26,7 +27,7 @@ sample by thread (``cpu_ms``): Python threads by name, numbered pool threads poo
 shows.
 
 Why a script, not a bench: it times vLLM's own methods by wrapping them for the run (``_model_forward``),
-which the library never does. Medians over every sample of every round, in milliseconds.
+which the library never does. Medians over every sample of every round, in milliseconds (but ``idle_waits``).
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def _targets() -> list[tuple[type, str, str]]:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from asyncconn.transfer.loader import StreamLoader
     from asyncconn.vllm.kv.layout import CacheLayout
     from asyncconn.vllm.kv.worker import KVWorkerSide
 
@@ -152,6 +154,7 @@ def _targets() -> list[tuple[type, str, str]]:
         (CacheLayout, "scatter", "copy"),  # a staged value into its blocks, on vLLM's thread
         (Scheduler, "schedule", "schedule"),
         (GPUModelRunner, "_prepare_inputs", "inputs"),
+        (StreamLoader, "wait", "wait"),  # vLLM's thread blocked in an idle step: each return a wake-up
     ]
 
 
@@ -187,6 +190,8 @@ def _phases(events: list[tuple[float, float, str]], t0: float, t1: float) -> dic
             # Staged values written into their blocks (in-place reads have none): in all, and after the reads
             "copy": sum(e[1] - e[0] for e in copies) * ms,
             "copy_after_reads": sum(e[1] - max(e[0], last_read) for e in copies if e[1] > last_read) * ms,
+            # How often vLLM's thread, waiting in an idle step, woke before the forward (a count)
+            "idle_waits": sum(1 for e in events if e[2] == "wait" and e[1] <= forward_at),
         }
         # The after-phase step by step: each mark is the first such call to end after the previous mark.
         marks, at = {}, last_read
