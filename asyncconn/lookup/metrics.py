@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 
-__all__ = ["LATENCY_BUCKETS_MS", "LookupMetrics"]
+__all__ = ["LATENCY_BOUNDS_S", "LATENCY_BUCKETS_MS", "LookupMetrics"]
 
 #: Upper bounds (ms) of the latency buckets; a final bucket catches everything slower.
 LATENCY_BUCKETS_MS: tuple[float, ...] = (
@@ -31,7 +31,8 @@ LATENCY_BUCKETS_MS: tuple[float, ...] = (
     2500.0,
     5000.0,
 )
-_BOUNDS_S = tuple(b / 1000.0 for b in LATENCY_BUCKETS_MS)
+#: The same bounds in seconds.
+LATENCY_BOUNDS_S: tuple[float, ...] = tuple(b / 1000.0 for b in LATENCY_BUCKETS_MS)
 
 _COUNTERS = (
     "submitted",  # lookups accepted by submit() (a no-op re-submit is not counted)
@@ -56,7 +57,7 @@ class LookupMetrics:
     def __init__(self) -> None:
         for name in _COUNTERS:
             setattr(self, name, 0)
-        self.latency_buckets = [0] * (len(_BOUNDS_S) + 1)
+        self.latency_buckets = [0] * (len(LATENCY_BOUNDS_S) + 1)
         self._baseline: dict[str, int | list[int]] = {}
 
     # counters are declared for mypy; set in __init__
@@ -74,7 +75,7 @@ class LookupMetrics:
 
     def observe(self, seconds: float) -> None:
         """Record one lookup latency (loop thread)."""
-        self.latency_buckets[bisect.bisect_left(_BOUNDS_S, seconds)] += 1
+        self.latency_buckets[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
 
     def snapshot(self) -> dict[str, int | list[int]]:
         """Totals since start; ``latency_buckets[i]`` counts lookups <= ``LATENCY_BUCKETS_MS[i]``."""

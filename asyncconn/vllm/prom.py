@@ -5,9 +5,9 @@ processes) and later the interval stats its connectors reported (``KVConnectorSt
 ``ECConnectorStats.data``). Each declared name becomes ``asyncconn:<kind>_<name>`` (exposed by the
 Prometheus client with a ``_total`` suffix), labelled per engine like vLLM's own series; a gauge (carried in
 the stats as changes) keeps its name, ``asyncconn:<kind>_<name>``. docs/operations.md lists every series and
-the alert to set on it. Latency
-histograms stay in vLLM's connector log lines: they are kept as our own bucket counts, which a Prometheus
-histogram cannot take without re-observing every sample.
+the alert to set on it. The KV latency histograms (``kv.metadata.HISTOGRAMS``: lookups, loads, saves)
+become Prometheus histograms, ``asyncconn:kv_<name>_seconds``, over the connector's own bucket bounds
+(:data:`asyncconn.lookup.metrics.LATENCY_BOUNDS_S`: Prometheus adds ``+Inf``), so a p99 can be alerted on.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from asyncconn.lookup.metrics import LATENCY_BOUNDS_S
 from asyncconn.vllm.totals import HOST_COUNTERS, LOCAL_COUNTERS
 
 __all__ = ["EC_COUNTERS", "EC_GAUGES", "ec_prom_metrics", "kv_prom_metrics"]
@@ -55,6 +56,10 @@ EC_COUNTERS = (
 #: EC gauges: processes (scheduler, workers) whose store is unreachable now.
 EC_GAUGES = ("store_unreachable",)
 
+
+#: The value a sample of each bucket is observed at: the bucket's upper bound (``le``: it lands in that
+#: bucket); the slowest bucket's at twice the last bound.
+_OBSERVED_AT = (*LATENCY_BOUNDS_S, 2 * LATENCY_BOUNDS_S[-1])
 
 #: The metric this module last made under each name, in this process (the scheduler's thread builds them).
 _made: dict[str, Any] = {}
@@ -155,6 +160,53 @@ class _Gauges:
                 child.set(level)
 
 
+class _Histograms:
+    """One per-engine histogram child per name; ``observe`` adds an interval's bucket counts.
+
+    The stats carry the counts of the connector's buckets, not the samples: each count is observed at its
+    bucket's upper bound, so Prometheus' buckets (the same bounds) hold exactly the connector's counts, and
+    ``_sum`` counts each sample at its bucket's bound (an upper estimate; the slowest bucket at twice the
+    last bound). One ``observe`` per sample, through vLLM's metric type only, as vLLM's own connectors feed
+    theirs; a sample is a lookup or one request's load or save on one worker, not a value.
+    """
+
+    def __init__(
+        self,
+        histogram_cls: Any,
+        kind: str,
+        names: Iterable[str],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self.children: dict[str, dict[int, Any]] = {}
+        for name in names:
+            full = f"asyncconn:{kind}_{name}_seconds"
+            metric = _replacing(
+                full,
+                functools.partial(
+                    histogram_cls,
+                    name=full,
+                    documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (seconds)",
+                    labelnames=labelnames,
+                    buckets=list(LATENCY_BOUNDS_S),
+                ),
+            )
+            self.children[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, data: Mapping[str, Any], engine_idx: int) -> None:
+        for name, per_engine in self.children.items():
+            counts = data.get(name)
+            child = per_engine.get(engine_idx)
+            if child is None or not isinstance(counts, list):
+                continue
+            for seconds, n in zip(_OBSERVED_AT, counts, strict=False):
+                if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                    for _ in range(n):
+                        child.observe(seconds)
+
+
 def _prom_metrics(
     base: type[Any],
     kind: str,
@@ -165,17 +217,21 @@ def _prom_metrics(
     per_engine_labelvalues: dict[int, list[object]],
     derive: Callable[[dict[str, Any]], None] | None = None,
     gauges: Iterable[str] = (),
+    histograms: Iterable[str] = (),
 ) -> Any:
-    """An instance of vLLM's ``base`` prom-metrics class (KV or EC: same constructor) feeding our counters
-    and ``gauges``; ``derive`` adds computed names to a copy of each interval's stats before they are
-    counted."""
-    from prometheus_client import Counter, Gauge
+    """An instance of vLLM's ``base`` prom-metrics class (KV or EC: same constructor) feeding our counters,
+    ``gauges`` and latency ``histograms``; ``derive`` adds computed names to a copy of each interval's stats
+    before they are counted."""
+    from prometheus_client import Counter, Gauge, Histogram
 
     class AsyncConnPromMetrics(base):  # type: ignore[misc,valid-type]
         def __init__(self) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
             self._counters = _Counters(metric_types[Counter], kind, names, labelnames, per_engine_labelvalues)
             self._gauges = _Gauges(metric_types[Gauge], kind, gauges, labelnames, per_engine_labelvalues)
+            self._histograms = _Histograms(
+                metric_types[Histogram], kind, histograms, labelnames, per_engine_labelvalues
+            )
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             data = transfer_stats_data
@@ -184,6 +240,7 @@ def _prom_metrics(
                 derive(data)
             self._counters.observe(data, engine_idx)
             self._gauges.observe(data, engine_idx)
+            self._histograms.observe(data, engine_idx)
 
     return AsyncConnPromMetrics()
 
@@ -200,14 +257,14 @@ def kv_prom_metrics(
     labelnames: list[str],
     per_engine_labelvalues: dict[int, list[object]],
 ) -> Any:
-    """``AsyncConnKVConnector.build_prom_metrics``: every counter of ``kv.metadata.COUNTERS`` and gauge of
-    ``kv.metadata.GAUGES``."""
+    """``AsyncConnKVConnector.build_prom_metrics``: every counter of ``kv.metadata.COUNTERS``, gauge of
+    ``kv.metadata.GAUGES`` and latency histogram of ``kv.metadata.HISTOGRAMS``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-    from asyncconn.vllm.kv.metadata import COUNTERS, GAUGES
+    from asyncconn.vllm.kv.metadata import COUNTERS, GAUGES, HISTOGRAMS
 
     args = (vllm_config, metric_types, labelnames, per_engine_labelvalues)
-    return _prom_metrics(KVConnectorPromMetrics, "kv", COUNTERS, *args, gauges=GAUGES)
+    return _prom_metrics(KVConnectorPromMetrics, "kv", COUNTERS, *args, gauges=GAUGES, histograms=HISTOGRAMS)
 
 
 def ec_prom_metrics(

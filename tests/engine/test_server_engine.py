@@ -131,6 +131,11 @@ def test_openai_server_with_the_example_config_two_workers_and_metrics(
     assert after["asyncconn:kv_tokens_loaded_total"] > before.get("asyncconn:kv_tokens_loaded_total", 0)
     assert after["asyncconn:kv_saves_total"] > 0
     assert after.get("asyncconn:kv_save_failures_total", 0) == 0
+    # The latency histograms: the second pass's lookups and loads were observed, the first pass's saves.
+    for name in ("lookup_latency", "load_latency"):
+        series = f"asyncconn:kv_{name}_seconds_count"
+        assert after.get(series, 0) > before.get(series, 0), series
+    assert after.get("asyncconn:kv_save_latency_seconds_count", 0) > 0
     # By source: the tiers' share as ``host`` (both ranks' tiers held the value when the load was planned),
     # the rest under the store's. A value counted as host is never read from the store: the tiers passed
     # on to the store (misses) at most the reads of the values counted under the store's source, 2 ranks.

@@ -22,7 +22,7 @@ from asyncconn.runtime import Runtime
 from asyncconn.transfer import CpuDevice
 from asyncconn.vllm.ec.worker import ECWorkerSide
 from asyncconn.vllm.kv.keys import KeySpace
-from asyncconn.vllm.kv.metadata import COUNTERS, GAUGES, AsyncConnKVMetadata, SaveSpec, ValueRef
+from asyncconn.vllm.kv.metadata import COUNTERS, GAUGES, HISTOGRAMS, AsyncConnKVMetadata, SaveSpec, ValueRef
 from asyncconn.vllm.kv.scheduler import KVSchedulerSide
 from asyncconn.vllm.kv.worker import KVWorkerSide
 from asyncconn.vllm.prom import EC_COUNTERS, EC_GAUGES, ec_prom_metrics, kv_prom_metrics
@@ -167,12 +167,15 @@ def test_the_reachability_gauge_follows_the_changes() -> None:
 def test_every_series_the_operations_doc_names_is_exported() -> None:
     exported = {f"asyncconn:kv_{n}_total" for n in COUNTERS} | {f"asyncconn:kv_{n}" for n in GAUGES}
     exported |= {f"asyncconn:ec_{n}_total" for n in EC_COUNTERS} | {f"asyncconn:ec_{n}" for n in EC_GAUGES}
+    exported |= {f"asyncconn:kv_{n}_seconds{part}" for n in HISTOGRAMS for part in ("", "_bucket")}
     named = set(re.findall(r"`(asyncconn:(?:kv|ec)_[a-z_]+)`", OPERATIONS_DOC))
     named |= set(re.findall(r"\((asyncconn:(?:kv|ec)_[a-z_]+)\[", OPERATIONS_DOC))  # inside PromQL
     assert named, "docs/operations.md names no series"
     assert named <= exported, sorted(named - exported)
     for gauge in (*GAUGES, *EC_GAUGES):
         assert f"_{gauge}`" in OPERATIONS_DOC
+    for histogram in HISTOGRAMS:
+        assert f"`asyncconn:kv_{histogram}_seconds`" in OPERATIONS_DOC
 
 
 def test_kv_failure_causes_are_counters() -> None:

@@ -17,7 +17,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncconn.lookup.metrics import LATENCY_BUCKETS_MS
+from asyncconn.lookup.metrics import LATENCY_BOUNDS_S, LATENCY_BUCKETS_MS
 from asyncconn.transfer.failures import Failure
 from asyncconn.vllm.totals import (
     HOST_COUNTERS,
@@ -161,12 +161,11 @@ GAUGES = ("store_unreachable",)
 #: Latency histograms over ``LATENCY_BUCKETS_MS`` (+inf last).
 HISTOGRAMS = ("lookup_latency", "load_latency", "save_latency")
 _NBUCKETS = len(LATENCY_BUCKETS_MS) + 1
-_BOUNDS_S = [ms / 1000.0 for ms in LATENCY_BUCKETS_MS]
 
 
 def bucket(seconds: float) -> int:
     """The histogram bucket of a latency."""
-    return bisect.bisect_left(_BOUNDS_S, seconds)
+    return bisect.bisect_left(LATENCY_BOUNDS_S, seconds)
 
 
 class AsyncConnKVStats(KVConnectorStats):  # type: ignore[misc]
