@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from asyncconn.lookup.client import DEFAULT_TIMEOUT, EXISTS, PREFIX, LookupClient, Mode
 from asyncconn.lookup.config import LookupConfig, open_lookup_client
-from asyncconn.lookup.metrics import LATENCY_BUCKETS_MS, LookupMetrics
+from asyncconn.lookup.metrics import LATENCY_BUCKETS_MS, LatencyHistogram, LookupMetrics
 from asyncconn.lookup.protocol import Kind, store_key
 from asyncconn.lookup.server import DEFAULT_BIND, LookupServer, ServerStats
 from asyncconn.lookup.transports import DirectTransport, LookupTransport, ZmqTransport
@@ -23,6 +23,7 @@ __all__ = [
     "PREFIX",
     "DirectTransport",
     "Kind",
+    "LatencyHistogram",
     "LookupClient",
     "LookupConfig",
     "LookupMetrics",

@@ -2,7 +2,8 @@
 
 Opt-in (``LookupServer(metrics_port=...)``, ``asyncconn lookup-server --metrics-port``). Every series is
 named ``asyncconn_lookup_<name>``: each :class:`~asyncconn.lookup.server.ServerStats` counter with
-Prometheus' ``_total`` suffix, and gauges for what the server holds now (:data:`GAUGES`). They are read by a
+Prometheus' ``_total`` suffix, gauges for what the server holds now (:data:`GAUGES`), and the histogram of
+how long requests were held, from read to answered (:data:`LATENCY`). They are read by a
 custom collector on a private ``CollectorRegistry`` at each scrape -- nothing is copied on the serving path,
 and nothing is added to the process-wide default registry (several servers may run in one process).
 
@@ -20,9 +21,11 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-__all__ = ["COUNTERS", "GAUGES", "PREFIX", "LookupServerCollector", "MetricsEndpoint"]
+from asyncconn.lookup.metrics import LATENCY_BOUNDS_S, LatencyHistogram
+
+__all__ = ["COUNTERS", "GAUGES", "LATENCY", "PREFIX", "LookupServerCollector", "MetricsEndpoint"]
 
 PREFIX = "asyncconn_lookup_"
 
@@ -49,14 +52,25 @@ GAUGES: dict[str, tuple[str, str, str]] = {
     "running_batches": ("held", "batches", "batches being answered now"),
 }
 
+#: The histogram's name (``asyncconn_lookup_<name>``) and help text.
+LATENCY = ("latency_seconds", "how long requests were held, from read to answered (queueing included)")
+#: Its buckets' ``le`` labels: the lookup client's bounds, then ``+Inf``.
+_LE = [*(repr(b) for b in LATENCY_BOUNDS_S), "+Inf"]
+
 _HEAD_LIMIT = 8192
 
 
 class LookupServerCollector:
     """A Prometheus collector reading ``stats()`` (counters) and ``held()`` (gauges) at each scrape."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, int]], held: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], Mapping[str, int]],
+        held: Callable[[], Mapping[str, int]],
+        latency: Callable[[], LatencyHistogram] | None = None,
+    ) -> None:
         self._sources = {"stats": stats, "held": held}
+        self._latency = latency
 
     def collect(self) -> Iterable[Metric]:
         stats = self._sources["stats"]()
@@ -65,6 +79,14 @@ class LookupServerCollector:
         values = {"stats": stats, "held": self._sources["held"]()}
         for name, (source, key, doc) in GAUGES.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=values[source][key])
+        if self._latency is not None:
+            latency = self._latency()
+            counts, total = list(latency.buckets), latency.sum  # copies: the loop may add meanwhile
+            cumulative, buckets = 0, []
+            for le, n in zip(_LE, counts, strict=True):
+                cumulative += n
+                buckets.append((le, cumulative))
+            yield HistogramMetricFamily(PREFIX + LATENCY[0], LATENCY[1], buckets=buckets, sum_value=total)
 
     def describe(self) -> Iterable[Metric]:
         """The series this collector yields (the registry checks them for duplicates once, at register)."""
@@ -72,6 +94,8 @@ class LookupServerCollector:
             yield CounterMetricFamily(PREFIX + name, doc)
         for name, (_, _, doc) in GAUGES.items():
             yield GaugeMetricFamily(PREFIX + name, doc)
+        if self._latency is not None:
+            yield HistogramMetricFamily(PREFIX + LATENCY[0], LATENCY[1])
 
 
 class MetricsEndpoint:

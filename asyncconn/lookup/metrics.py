@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 
-__all__ = ["LATENCY_BOUNDS_S", "LATENCY_BUCKETS_MS", "LookupMetrics"]
+__all__ = ["LATENCY_BOUNDS_S", "LATENCY_BUCKETS_MS", "LatencyHistogram", "LookupMetrics"]
 
 #: Upper bounds (ms) of the latency buckets; a final bucket catches everything slower.
 LATENCY_BUCKETS_MS: tuple[float, ...] = (
@@ -33,6 +33,23 @@ LATENCY_BUCKETS_MS: tuple[float, ...] = (
 )
 #: The same bounds in seconds.
 LATENCY_BOUNDS_S: tuple[float, ...] = tuple(b / 1000.0 for b in LATENCY_BUCKETS_MS)
+
+
+
+class LatencyHistogram:
+    """Latencies counted in the buckets of :data:`LATENCY_BOUNDS_S` (``+inf`` last), and their sum; one
+    thread writes (the lookup server's loop), any reads."""
+
+    __slots__ = ("buckets", "sum")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(LATENCY_BOUNDS_S) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.buckets[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
+        self.sum += seconds
+
 
 _COUNTERS = (
     "submitted",  # lookups accepted by submit() (a no-op re-submit is not counted)

@@ -77,6 +77,7 @@ from asyncconn.exceptions import AsyncConnError, ConfigError, LookupProtocolErro
 from asyncconn.lookup import curve as curve_keys
 from asyncconn.lookup import protocol
 from asyncconn.lookup.gate import ZAP_DOMAIN, ConnectionGate
+from asyncconn.lookup.metrics import LatencyHistogram
 from asyncconn.lookup.protocol import Kind, Query
 from asyncconn.lookup.transports import leading, send_nowait
 from asyncconn.store import TensorStore
@@ -135,7 +136,7 @@ class ServerStats:
 class _Request:
     """One request read and not yet answered; ``body`` is dropped once parsed."""
 
-    __slots__ = ("body", "client", "id_frame", "keys", "nbytes", "replied", "route")
+    __slots__ = ("body", "client", "id_frame", "keys", "nbytes", "replied", "route", "t0")
 
     def __init__(
         self,
@@ -154,6 +155,7 @@ class _Request:
         # what it may cost in the store; over max_keys it is rejected before any store call
         self.keys = min(_key_bound(body), max_keys)
         self.replied = False
+        self.t0 = time.monotonic()  # read: its answer's latency runs from here
 
 
 class _Client:
@@ -259,6 +261,8 @@ class LookupServer:
         self.batch_keys = batch_keys
         self.max_inflight = max_inflight
         self.stats = ServerStats()
+        #: How long each request held (read to answered, queueing included), on the metrics endpoint.
+        self.latency = LatencyHistogram()
         self._on_reset = on_reset
         self._curve = curve
         self._insecure = insecure
@@ -342,7 +346,7 @@ class LookupServer:
         from asyncconn.lookup.exporter import LookupServerCollector, MetricsEndpoint
 
         registry = CollectorRegistry()  # private: only this server's series, nothing process-wide
-        registry.register(LookupServerCollector(self.stats.as_dict, self.held))
+        registry.register(LookupServerCollector(self.stats.as_dict, self.held, lambda: self.latency))
         self._metrics = MetricsEndpoint(registry)
         return await self._metrics.start(self.metrics_host, self.metrics_port)
 
@@ -597,6 +601,7 @@ class LookupServer:
         if request.replied:
             return
         request.replied = True
+        self.latency.observe(time.monotonic() - request.t0)
         self._send(request.route, request.id_frame, reply)
 
     def _send(self, route: list[bytes], id_frame: bytes | None, reply: bytes) -> None:

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncconn.exceptions import ConfigError
 from asyncconn.lookup import LookupServer, ServerStats, store_key
-from asyncconn.lookup.exporter import COUNTERS, GAUGES, PREFIX
+from asyncconn.lookup.exporter import COUNTERS, GAUGES, LATENCY, PREFIX
 from asyncconn.lookup.protocol import encode_mooncake_lookup
 from asyncconn.runtime import Runtime
 from asyncconn.store import TensorStore
@@ -34,7 +34,7 @@ from tests.servers import free_port
 
 HASHES = [bytes([i]) * 32 for i in range(4)]
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-EXPORTED = {PREFIX + n + "_total" for n in COUNTERS} | {PREFIX + n for n in GAUGES}
+EXPORTED = {PREFIX + n + "_total" for n in COUNTERS} | {PREFIX + n for n in GAUGES} | {PREFIX + LATENCY[0]}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def _scrape(url: str) -> dict[str, float]:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = response.read().decode()
     return {
-        sample.name: sample.value
+        sample.name + (f"{{le={sample.labels['le']}}}" if "le" in sample.labels else ""): sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
@@ -119,7 +119,7 @@ def test_the_counters_move_with_lookups_and_nothing_is_left_after_close(rt: Runt
     try:
         assert server.metrics_url == f"http://127.0.0.1:{port}/metrics"
         first = _scrape(server.metrics_url)
-        assert EXPORTED <= set(first)
+        assert EXPORTED - {PREFIX + LATENCY[0]} <= set(first) and first[PREFIX + LATENCY[0] + "_count"] == 0
         assert first["asyncconn_lookup_requests_total"] == 0
         assert first["asyncconn_lookup_lookups_total"] == 0
         assert first["asyncconn_lookup_held_bytes"] == 0
@@ -141,6 +141,14 @@ def test_the_counters_move_with_lookups_and_nothing_is_left_after_close(rt: Runt
             assert after["asyncconn_lookup_connections"] == 1
             assert after["asyncconn_lookup_connections_refused_total"] == 0
             assert after["asyncconn_lookup_running_batches"] == 0
+            # Every request answered through a batch (the lookups, the reset, the malformed one) held for a
+            # time: each in the histogram, cumulative up to +Inf.
+            latency = {k: v for k, v in after.items() if k.startswith("asyncconn_lookup_latency_seconds")}
+            assert latency["asyncconn_lookup_latency_seconds_count"] == 5
+            assert latency["asyncconn_lookup_latency_seconds_bucket{le=+Inf}"] == 5
+            assert 0 < latency["asyncconn_lookup_latency_seconds_sum"] < 5
+            cumulative = [v for k, v in latency.items() if "_bucket" in k]
+            assert cumulative == sorted(cumulative) and len(cumulative) == 16
         # Only GET/HEAD /metrics.
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(server.metrics_url.removesuffix("metrics") + "other", timeout=5)
