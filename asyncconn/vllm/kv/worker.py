@@ -586,7 +586,8 @@ class KVWorkerSide:
                 self._had_saves.discard(rid)
                 self._finishing.add(rid)
         if step_tokens == 0 and self._fetches and not self._a_load_is_whole():
-            # Scatter each value as it lands while the loop reads the next ones, until a request's load is
+            # Scatter each staged value as it lands while the loop reads the next ones (values read in place
+            # need nothing until a request's are all in: ``_landings_to_wait``), until a request's load is
             # whole or the bound has passed (the scatters themselves are work this step would do anyway).
             deadline = time.monotonic() + IDLE_WAIT_S
             while self.loader.wait(max(deadline - time.monotonic(), 0.0), landed=self._landings_to_wait()):
