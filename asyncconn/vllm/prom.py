@@ -84,6 +84,24 @@ def _replacing(name: str, make: Callable[[], Any]) -> Any:
     return metric
 
 
+def _per_engine(
+    metric_cls: Any,
+    name: str,
+    documentation: str,
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+    **kwargs: Any,
+) -> dict[int, Any]:
+    """The metric ``name`` (made anew: :func:`_replacing`), one labelled child per engine."""
+    from vllm.v1.metrics.utils import create_metric_per_engine
+
+    make = functools.partial(
+        metric_cls, name=name, documentation=documentation, labelnames=labelnames, **kwargs
+    )
+    children: dict[int, Any] = create_metric_per_engine(_replacing(name, make), per_engine_labelvalues)
+    return children
+
+
 class _Counters:
     """One per-engine counter child per name; ``observe`` adds an interval's values."""
 
@@ -95,20 +113,16 @@ class _Counters:
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
-        from vllm.v1.metrics.utils import create_metric_per_engine
-
-        self.children: dict[str, dict[int, Any]] = {}
-        for name in names:
-            metric = _replacing(
+        self.children: dict[str, dict[int, Any]] = {
+            name: _per_engine(
+                counter_cls,
                 f"asyncconn:{kind}_{name}",
-                functools.partial(
-                    counter_cls,
-                    name=f"asyncconn:{kind}_{name}",
-                    documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')}",
-                    labelnames=labelnames,
-                ),
+                f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')}",
+                labelnames,
+                per_engine_labelvalues,
             )
-            self.children[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+            for name in names
+        }
 
     def observe(self, data: Mapping[str, Any], engine_idx: int) -> None:
         for name, per_engine in self.children.items():
@@ -133,22 +147,18 @@ class _Gauges:
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
-        from vllm.v1.metrics.utils import create_metric_per_engine
-
-        self.children: dict[str, dict[int, Any]] = {}
         self._levels: dict[tuple[str, int], int] = {}
-        for name in names:
-            metric = _replacing(
+        self.children: dict[str, dict[int, Any]] = {
+            name: _per_engine(
+                gauge_cls,
                 f"asyncconn:{kind}_{name}",
-                functools.partial(
-                    gauge_cls,
-                    name=f"asyncconn:{kind}_{name}",
-                    documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (processes)",
-                    labelnames=labelnames,
-                    multiprocess_mode="mostrecent",
-                ),
+                f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (processes)",
+                labelnames,
+                per_engine_labelvalues,
+                multiprocess_mode="mostrecent",
             )
-            self.children[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+            for name in names
+        }
 
     def observe(self, data: Mapping[str, Any], engine_idx: int) -> None:
         for name, per_engine in self.children.items():
@@ -178,22 +188,17 @@ class _Histograms:
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
-        from vllm.v1.metrics.utils import create_metric_per_engine
-
-        self.children: dict[str, dict[int, Any]] = {}
-        for name in names:
-            full = f"asyncconn:{kind}_{name}_seconds"
-            metric = _replacing(
-                full,
-                functools.partial(
-                    histogram_cls,
-                    name=full,
-                    documentation=f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (seconds)",
-                    labelnames=labelnames,
-                    buckets=list(LATENCY_BOUNDS_S),
-                ),
+        self.children: dict[str, dict[int, Any]] = {
+            name: _per_engine(
+                histogram_cls,
+                f"asyncconn:{kind}_{name}_seconds",
+                f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (seconds)",
+                labelnames,
+                per_engine_labelvalues,
+                buckets=list(LATENCY_BOUNDS_S),
             )
-            self.children[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+            for name in names
+        }
 
     def observe(self, data: Mapping[str, Any], engine_idx: int) -> None:
         for name, per_engine in self.children.items():
