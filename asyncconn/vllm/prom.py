@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from asyncconn.lookup.metrics import LATENCY_BOUNDS_S
 from asyncconn.vllm.totals import HOST_COUNTERS, LOCAL_COUNTERS
@@ -102,12 +102,16 @@ def _per_engine(
     return children
 
 
-class _Counters:
-    """One per-engine counter child per name; ``observe`` adds an interval's values."""
+class _Family:
+    """One per-engine child per name of one metric type, ``asyncconn:<kind>_<name><suffix>``."""
+
+    suffix = ""  # after the name
+    unit = ""  # after the help text
+    options: ClassVar[dict[str, Any]] = {}  # for the metric type
 
     def __init__(
         self,
-        counter_cls: Any,
+        metric_cls: Any,
         kind: str,
         names: Iterable[str],
         labelnames: list[str],
@@ -115,14 +119,19 @@ class _Counters:
     ) -> None:
         self.children: dict[str, dict[int, Any]] = {
             name: _per_engine(
-                counter_cls,
-                f"asyncconn:{kind}_{name}",
-                f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')}",
+                metric_cls,
+                f"asyncconn:{kind}_{name}{self.suffix}",
+                f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')}{self.unit}",
                 labelnames,
                 per_engine_labelvalues,
+                **self.options,
             )
             for name in names
         }
+
+
+class _Counters(_Family):
+    """Counters; ``observe`` adds an interval's values."""
 
     def observe(self, data: Mapping[str, Any], engine_idx: int) -> None:
         for name, per_engine in self.children.items():
@@ -132,33 +141,19 @@ class _Counters:
                 child.inc(value)
 
 
-class _Gauges:
-    """One per-engine gauge child per name; the stats carry each gauge's change, added by ``observe``.
+class _Gauges(_Family):
+    """Gauges; the stats carry each gauge's change, added by ``observe``.
 
     Why changes: each process reports only when something changed, and vLLM sums the reports of all
     workers; a change sums correctly where a level would not.
     """
 
-    def __init__(
-        self,
-        gauge_cls: Any,
-        kind: str,
-        names: Iterable[str],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
+    unit = " (processes)"
+    options: ClassVar[dict[str, Any]] = {"multiprocess_mode": "mostrecent"}
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
         self._levels: dict[tuple[str, int], int] = {}
-        self.children: dict[str, dict[int, Any]] = {
-            name: _per_engine(
-                gauge_cls,
-                f"asyncconn:{kind}_{name}",
-                f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (processes)",
-                labelnames,
-                per_engine_labelvalues,
-                multiprocess_mode="mostrecent",
-            )
-            for name in names
-        }
 
     def observe(self, data: Mapping[str, Any], engine_idx: int) -> None:
         for name, per_engine in self.children.items():
@@ -170,8 +165,8 @@ class _Gauges:
                 child.set(level)
 
 
-class _Histograms:
-    """One per-engine histogram child per name; ``observe`` adds an interval's bucket counts.
+class _Histograms(_Family):
+    """Latency histograms; ``observe`` adds an interval's bucket counts.
 
     The stats carry the counts of the connector's buckets, not the samples: each count is observed at its
     bucket's upper bound, so Prometheus' buckets (the same bounds) hold exactly the connector's counts, and
@@ -180,25 +175,9 @@ class _Histograms:
     theirs; a sample is a lookup or one request's load or save on one worker, not a value.
     """
 
-    def __init__(
-        self,
-        histogram_cls: Any,
-        kind: str,
-        names: Iterable[str],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        self.children: dict[str, dict[int, Any]] = {
-            name: _per_engine(
-                histogram_cls,
-                f"asyncconn:{kind}_{name}_seconds",
-                f"asyncconn {kind.upper()} connector: {name.replace('_', ' ')} (seconds)",
-                labelnames,
-                per_engine_labelvalues,
-                buckets=list(LATENCY_BOUNDS_S),
-            )
-            for name in names
-        }
+    suffix = "_seconds"
+    unit = " (seconds)"
+    options: ClassVar[dict[str, Any]] = {"buckets": list(LATENCY_BOUNDS_S)}
 
     def observe(self, data: Mapping[str, Any], engine_idx: int) -> None:
         for name, per_engine in self.children.items():
