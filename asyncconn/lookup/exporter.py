@@ -61,7 +61,8 @@ _HEAD_LIMIT = 8192
 
 
 class LookupServerCollector:
-    """A Prometheus collector reading ``stats()`` (counters) and ``held()`` (gauges) at each scrape."""
+    """A Prometheus collector reading ``stats()`` (counters), ``held()`` (gauges) and ``latency()`` (the
+    histogram, where given) at each scrape."""
 
     def __init__(
         self,
@@ -177,7 +178,14 @@ def _response(
     head_only: bool = False,
 ) -> bytes:
     headers = (
-        b"HTTP/1.1 " + status + b"\r\nContent-Type: " + content_type
-        + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n" + extra + b"\r\n"
+        b"HTTP/1.1 "
+        + status
+        + b"\r\nContent-Type: "
+        + content_type
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\nConnection: close\r\n"
+        + extra
+        + b"\r\n"
     )
     return headers if head_only else headers + body

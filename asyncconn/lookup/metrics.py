@@ -35,7 +35,6 @@ LATENCY_BUCKETS_MS: tuple[float, ...] = (
 LATENCY_BOUNDS_S: tuple[float, ...] = tuple(b / 1000.0 for b in LATENCY_BUCKETS_MS)
 
 
-
 class LatencyHistogram:
     """Latencies counted in the buckets of :data:`LATENCY_BOUNDS_S` (``+inf`` last), and their sum; one
     thread writes (the lookup server's loop), any reads."""
