@@ -261,7 +261,7 @@ class LookupServer:
         self.batch_keys = batch_keys
         self.max_inflight = max_inflight
         self.stats = ServerStats()
-        #: How long each request held (read to answered, queueing included), on the metrics endpoint.
+        #: How long each request was held (read to answered, queueing included), on the metrics endpoint.
         self.latency = LatencyHistogram()
         self._on_reset = on_reset
         self._curve = curve
